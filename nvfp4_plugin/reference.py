@@ -106,8 +106,9 @@ def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: tor
                    m: int, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """NVFP4 ``[..., m, k/2]`` (+ block scales, linear or swizzled) -> ``[..., m, k]`` of ``dtype``.
 
-    ``x_hat = (e2m1(q) * fp32(s)) / global_scale``; ``global_scale`` is a single value or one per
-    leading index (e.g. per expert for ``[E, N, K/2]`` weights).
+    ``x_hat = (e2m1(q) * fp32(s)) / global_scale``; ``global_scale`` is a single value, one per
+    leading index (e.g. per expert for ``[E, N, K/2]`` weights, shape ``[E]``), or one per row
+    (shape ``[..., m]``, the :class:`~nvfp4_plugin.weights.Nvfp4Weight` convention).
     """
     check_tensor("packed", packed, dtypes=(torch.uint8,), min_ndim=2)
     check_tensor("scales", scales, dtypes=(torch.float8_e4m3fn, torch.uint8), min_ndim=2)
@@ -123,8 +124,12 @@ def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: tor
     gs = torch.as_tensor(global_scale, dtype=torch.float32, device=packed.device)
     if gs.numel() == 1:
         gs = gs.reshape(())
+    elif tuple(gs.shape) == (*lead, m):
+        gs = gs.reshape(*lead, m, 1, 1)
     else:
-        check_shape("global_scale", gs, lead)
+        if tuple(gs.shape) != lead:
+            raise ValueError(f"global_scale: expected one value, shape {lead} (per leading index) or "
+                             f"{(*lead, m)} (per row), got {tuple(gs.shape)}")
         gs = gs.reshape(*lead, 1, 1, 1)
     vals = nx.e2m1_decode(nx.unpack_fp4(packed)).reshape(*lead, m, kb, nx.NVFP4_BLOCK_SIZE)
     out = (vals * nx.nvfp4_scale_to_float(scales)[..., None]) / gs
@@ -404,7 +409,8 @@ LINEAR_MODES = ("w4a16", "w4a4")
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  weight_global_scale: torch.Tensor, bias: torch.Tensor | None = None, *, mode: str = "w4a16",
                  input_global_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``y = x @ dequant(W)^T + bias`` with an NVFP4 weight ``[N, K/2]`` (linear scales ``[N, K/16]``).
+    """``y = x @ dequant(W)^T + bias`` with an NVFP4 weight ``[N, K/2]`` (linear scales ``[N, K/16]``,
+    ``weight_global_scale`` one value or one per output row).
 
     ``w4a16``: activations used as they are. ``w4a4``: activations first go through
     :func:`scaled_fp4_quant` with ``input_global_scale`` and back (what the Blackwell path computes).
@@ -444,6 +450,10 @@ def route_topk(router_logits: torch.Tensor, top_k: int, *, renormalize: bool = T
     return w, ids.to(torch.int32)
 
 
+def _expert_gs(gs: torch.Tensor, ex: int) -> torch.Tensor:
+    return gs[ex] if gs.dim() == 2 else gs[ex:ex + 1]
+
+
 def nvfp4_fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                     w13_global_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
                     w2_global_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
@@ -452,7 +462,8 @@ def nvfp4_fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w13_scale: t
     """Reference NVFP4 fused MoE with SiLU-and-mul.
 
     ``w13 [E, 2I, H/2]`` (gate rows first, then up), ``w2 [E, H, I/2]``, linear block scales,
-    per-expert encode global scales ``[E]``. Per routed (token, expert) pair:
+    encode global scales per expert ``[E]`` or per expert row ``[E, 2I]`` / ``[E, H]``. Per routed
+    (token, expert) pair:
     ``h = x @ W13[e]^T`` (rounded to the activation dtype), ``a = silu_and_mul(h)``,
     ``y = a @ W2[e]^T`` (rounded), and the output is ``sum_k topk_weights[k] * y_k`` in fp32,
     rounded. ``w4a4`` quantizes x with ``a13_global_scale[e]`` and ``a`` with ``a2_global_scale[e]``.
@@ -481,10 +492,10 @@ def nvfp4_fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w13_scale: t
         kw = {}
         if mode == "w4a4":
             kw = dict(mode="w4a4", input_global_scale=a13_global_scale[ex:ex + 1])
-        hid = nvfp4_linear(hidden_states[tok], w13[ex], w13_scale[ex], w13_global_scale[ex:ex + 1], **kw)
+        hid = nvfp4_linear(hidden_states[tok], w13[ex], w13_scale[ex], _expert_gs(w13_global_scale, ex), **kw)
         act = nx.silu_and_mul_fp32(hid)
         if mode == "w4a4":
             kw = dict(mode="w4a4", input_global_scale=a2_global_scale[ex:ex + 1])
-        y = nvfp4_linear(act, w2[ex], w2_scale[ex], w2_global_scale[ex:ex + 1], **kw)
+        y = nvfp4_linear(act, w2[ex], w2_scale[ex], _expert_gs(w2_global_scale, ex), **kw)
         out.index_add_(0, tok, y.float() * topk_weights[tok, slot].float()[:, None])
     return out.to(dtype)

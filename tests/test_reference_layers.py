@@ -83,3 +83,38 @@ def test_fused_moe_against_per_token_loop(mode):
             y = (act.float() @ wd.t()).to(torch.bfloat16)
             acc += topk_w[tok, j] * y[0].float()
         assert torch.allclose(out[tok].float(), acc.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2), tok
+
+
+def test_nvfp4_weight_shards_stay_exact_with_different_global_scales():
+    from nvfp4_plugin.weights import Nvfp4Weight
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(n, 64, generator=g) * sc for n, sc in ((32, 1.0), (16, 30.0), (16, 0.01)))
+    shards = [Nvfp4Weight.quantize(t) for t in (q, k, v)]
+    fused = Nvfp4Weight.from_shards(torch.cat([s.packed for s in shards]), torch.cat([s.block_scale for s in shards]),
+                                    [s.global_scale[0].item() for s in shards], [32, 16, 16])
+    assert fused.global_scale.shape == (64,)
+    assert torch.equal(fused.dequantize(), torch.cat([s.dequantize() for s in shards]))
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    y = ref.nvfp4_linear(x, fused.packed, fused.block_scale, fused.global_scale)
+    parts = [ref.nvfp4_linear(x, s.packed, s.block_scale, s.global_scale) for s in shards]
+    assert torch.equal(y, torch.cat(parts, dim=-1))
+    with pytest.raises(ValueError, match="shard_sizes: expected to sum to N=64"):
+        Nvfp4Weight.from_shards(fused.packed, fused.block_scale, [1.0, 2.0, 3.0], [32, 16, 8])
+    with pytest.raises(ValueError, match=r"global_scale: expected shape \(64,\)"):
+        Nvfp4Weight(fused.packed, fused.block_scale, torch.ones(3))
+
+
+def test_moe_accepts_per_row_expert_scales():
+    from nvfp4_plugin.weights import Nvfp4Weight
+
+    e, h, inter = 2, 32, 16
+    w13 = Nvfp4Weight.quantize(torch.randn(e, 2 * inter, h))
+    w2 = Nvfp4Weight.quantize(torch.randn(e, h, inter))
+    x = torch.randn(4, h, dtype=torch.bfloat16)
+    tw, ti = ref.route_topk(torch.randn(4, e), 1)
+    a = ref.nvfp4_fused_moe(x, w13.packed, w13.block_scale, w13.global_scale, w2.packed, w2.block_scale,
+                            w2.global_scale, tw, ti)
+    b = ref.nvfp4_fused_moe(x, w13.packed, w13.block_scale, w13.global_scale[:, 0], w2.packed, w2.block_scale,
+                            w2.global_scale[:, 0], tw, ti)
+    assert torch.equal(a, b)

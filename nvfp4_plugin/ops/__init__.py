@@ -8,6 +8,8 @@ Which backend runs is decided once per (op, device) by :mod:`nvfp4_plugin.ops._r
 from __future__ import annotations
 
 import functools
+import importlib
+import logging
 
 import torch
 
@@ -33,6 +35,19 @@ PUBLIC_OPS = (
 
 for _op in PUBLIC_OPS:
     register(_op, OpBackend("reference", lambda device: None, functools.partial(getattr, reference, _op)))
+
+
+#: Modules that register faster backends (Triton, compiled CUDA) ahead of the reference. Each is
+#: optional: a missing module is skipped, and a backend whose requirements are not met on a device
+#: says why through its ``unavailable_reason``.
+BACKEND_MODULES = ("nvfp4_plugin.triton._register", "nvfp4_plugin._cuda_register")
+
+for _mod in BACKEND_MODULES:
+    try:
+        importlib.import_module(_mod)
+    except ModuleNotFoundError as _exc:
+        if _exc.name != _mod and not _mod.startswith(f"{_exc.name}."):
+            logging.getLogger("nvfp4_plugin").warning("nvfp4_plugin: backends in %s not loaded: %s", _mod, _exc)
 
 
 def _first_tensor(args, kwargs) -> torch.Tensor:
