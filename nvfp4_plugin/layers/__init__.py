@@ -1,0 +1,60 @@
+"""Engine-neutral NVFP4 layers: ``Nvfp4Linear`` and ``Nvfp4FusedMoE``.
+
+The engine adapters (``nvfp4_plugin.engines.*``) load checkpoint tensors into an
+:class:`~nvfp4_plugin.weights.Nvfp4Weight` and build a layer once after loading. A layer holds its
+backend's prepared state as ``tensors`` (a flat dict, which the adapters register as parameters of
+the engine's module, as torch.compile and CUDA graphs expect) and ``meta`` (static, non-tensor).
+The forward passes the tensors back in. Which kernel runs is the backend's business
+(``base.select_backend``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..weights import Nvfp4Weight
+from .backends.reference import ReferenceLinear, ReferenceMoe
+from .base import (ENV_LINEAR_BACKEND, ENV_MOE_BACKEND, Backend, LinearSpec, MoeSpec, resolve_mode,
+                   select_backend)
+
+#: Priority order, fastest first. Faster backends insert themselves ahead of the reference.
+LINEAR_BACKENDS: list[type[Backend]] = [ReferenceLinear]
+MOE_BACKENDS: list[type[Backend]] = [ReferenceMoe]
+
+
+class Nvfp4Linear:
+    """``y = x @ W^T + b`` for one NVFP4 weight (fused shards included), on the selected backend."""
+
+    def __init__(self, weight: Nvfp4Weight, input_global_scale: torch.Tensor | None = None,
+                 act_dtype: torch.dtype = torch.bfloat16):
+        self.mode = resolve_mode(input_global_scale is not None)
+        spec = LinearSpec(weight.n, weight.k, act_dtype, self.mode, weight.packed.device)
+        self.backend = select_backend("linear", LINEAR_BACKENDS, spec, ENV_LINEAR_BACKEND)
+        self.tensors, self.meta = self.backend.prepare(weight, input_global_scale, self.mode)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, tensors: dict | None = None) -> torch.Tensor:
+        return self.backend.apply(self.tensors if tensors is None else tensors, self.meta, x, bias)
+
+
+class Nvfp4FusedMoE:
+    """Routed experts with SiLU-and-mul: ``sum_k w_k * W2[e_k] silu_mul(W13[e_k] x)``."""
+
+    def __init__(self, w13: Nvfp4Weight, w2: Nvfp4Weight, a13_global_scale: torch.Tensor | None = None,
+                 a2_global_scale: torch.Tensor | None = None, act_dtype: torch.dtype = torch.bfloat16):
+        if w13.packed.dim() != 3 or w2.packed.dim() != 3:
+            raise ValueError(f"w13/w2: expected expert-stacked [E, N, K/2] weights, got {tuple(w13.packed.shape)} "
+                             f"and {tuple(w2.packed.shape)}")
+        e, two_i, h = w13.lead_shape[0], w13.n, w13.k
+        if w2.lead_shape[0] != e or w2.n != h or w2.k * 2 != two_i:
+            raise ValueError(f"w2: expected [E={e}, H={h}, I={two_i // 2}], got [{w2.lead_shape[0]}, {w2.n}, {w2.k}]")
+        self.mode = resolve_mode(a13_global_scale is not None and a2_global_scale is not None)
+        spec = MoeSpec(e, h, two_i // 2, act_dtype, self.mode, w13.packed.device)
+        self.backend = select_backend("moe", MOE_BACKENDS, spec, ENV_MOE_BACKEND)
+        self.tensors, self.meta = self.backend.prepare(w13, w2, a13_global_scale, a2_global_scale, self.mode)
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 tensors: dict | None = None) -> torch.Tensor:
+        return self.backend.apply(self.tensors if tensors is None else tensors, self.meta, x, topk_weights, topk_ids)
+
+
+__all__ = ["Nvfp4Linear", "Nvfp4FusedMoE", "LINEAR_BACKENDS", "MOE_BACKENDS", "Nvfp4Weight"]

@@ -1,0 +1,64 @@
+"""Engine-neutral layers on the reference backend: equal to the reference linear / MoE."""
+
+import pytest
+import torch
+
+from nvfp4_plugin import reference as ref
+from nvfp4_plugin.layers import Nvfp4FusedMoE, Nvfp4Linear
+from nvfp4_plugin.layers.base import ENV_ACT_MODE, ENV_LINEAR_BACKEND
+from nvfp4_plugin.weights import Nvfp4Weight
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_linear_matches_reference(mode, monkeypatch):
+    monkeypatch.setenv(ENV_ACT_MODE, mode)
+    g = torch.Generator().manual_seed(0)
+    w = Nvfp4Weight.from_shards(*(lambda q: (q.packed, q.block_scale))(Nvfp4Weight.quantize(torch.randn(96, 128, generator=g))),
+                                [50.0, 3.0, 900.0], [32, 32, 32])
+    x = torch.randn(5, 128, generator=g).to(torch.bfloat16)
+    bias = torch.randn(96, generator=g).to(torch.bfloat16)
+    igs = torch.tensor([700.0])
+    layer = Nvfp4Linear(w, igs)
+    assert layer.mode == mode and layer.backend.name == "reference"
+    y = layer(x, bias)
+    # equal to the fp32 reference up to bf16 rounding of the dequantized operands and the output:
+    # each product carries at most ~2 bf16 half-ulps of relative error
+    expect = ref.nvfp4_linear(x, w.packed, w.block_scale, w.global_scale, bias, mode=mode, input_global_scale=igs)
+    bound = 3 * 2 ** -8 * (x.double().abs() @ w.dequantize(torch.float64).abs().t() + bias.double().abs())
+    assert ((y.double() - expect.double()).abs() <= bound + 1e-6).all()
+
+
+def test_w4a4_without_input_scale_falls_back(monkeypatch):
+    monkeypatch.setenv(ENV_ACT_MODE, "w4a4")
+    layer = Nvfp4Linear(Nvfp4Weight.quantize(torch.randn(16, 32)), None)
+    assert layer.mode == "w4a16"
+
+
+def test_forced_unknown_backend_errors(monkeypatch):
+    monkeypatch.setenv(ENV_LINEAR_BACKEND, "nope")
+    with pytest.raises(ValueError, match="NVFP4_PLUGIN_LINEAR_BACKEND='nope': unknown linear backend"):
+        Nvfp4Linear(Nvfp4Weight.quantize(torch.randn(16, 32)))
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_moe_matches_reference(mode, monkeypatch):
+    monkeypatch.setenv(ENV_ACT_MODE, mode)
+    g = torch.Generator().manual_seed(1)
+    e, h, inter, t = 4, 64, 32, 9
+    w13 = Nvfp4Weight.quantize(torch.randn(e, 2 * inter, h, generator=g))
+    w2 = Nvfp4Weight.quantize(torch.randn(e, h, inter, generator=g) * 0.2)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    tw, ti = ref.route_topk(torch.randn(t, e, generator=g), 2)
+    ti[:, :] = torch.where(ti == 3, torch.zeros_like(ti), ti)  # expert 3 gets no tokens
+    tw[0, 1], ti[0, 1] = tw[0, 1], (ti[0, 0] + 1) % 3
+    a13, a2 = torch.full((e,), 400.0), torch.full((e,), 1500.0)
+    layer = Nvfp4FusedMoE(w13, w2, a13, a2)
+    y = layer(x, tw, ti)
+    expect = ref.nvfp4_fused_moe(x, w13.packed, w13.block_scale, w13.global_scale, w2.packed, w2.block_scale,
+                                 w2.global_scale, tw, ti, mode=mode, a13_global_scale=a13, a2_global_scale=a2)
+    err = (y.double() - expect.double()).norm() / expect.double().norm()
+    # bf16 operands vs the fp32 reference; in w4a4 a slightly different intermediate can also flip an
+    # activation's FP4 code (one grid step), hence the looser bound
+    assert err < (1e-2 if mode == "w4a16" else 3e-2)
+    with pytest.raises(ValueError, match="w2: expected"):
+        Nvfp4FusedMoE(w13, Nvfp4Weight.quantize(torch.randn(e, h, 2 * inter)))
