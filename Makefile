@@ -4,8 +4,11 @@ VENV ?= .venv
 # The CPU build of torch that the CI machine carries on disk; override for a CUDA machine.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Engine adapters are tested against the real engines, each in its own venv (their torch pins differ).
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm==0.26.0
 
-.PHONY: demo info test test-gpu clean
+.PHONY: demo info test test-core test-vllm test-gpu clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -20,9 +23,23 @@ demo: $(VENV)/.installed
 info: $(VENV)/.installed
 	$(VENV)/bin/nvfp4-plugin info
 
-# CPU test suite (what CI runs). pytest exit code 5 = "no tests collected" is not a failure.
-test: $(VENV)/.installed
+$(VLLM_VENV)/.installed: pyproject.toml Makefile
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)" pytest hypothesis
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
+# The whole CPU test suite (what CI runs). pytest exit code 5 = "no tests collected" is not a failure.
+test: test-core test-vllm
+
+test-core: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q -m "not gpu and not sm100" $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+
+# vLLM adapter tests with the real vLLM (CPU platform, simulated tensor parallelism)
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pytest -q -m "not gpu and not sm100" tests/engines/test_vllm_*.py $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 # GPU tests, on the GPU machine, with its system python (torch + triton preinstalled there).
@@ -31,4 +48,4 @@ test-gpu:
 	if [ $$rc -eq 5 ]; then echo "no GPU tests collected"; fi; exit $$rc
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

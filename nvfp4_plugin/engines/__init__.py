@@ -1,0 +1,1 @@
+"""Thin engine adapters: the only code that imports vLLM or SGLang."""

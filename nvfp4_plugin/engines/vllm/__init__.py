@@ -1,0 +1,28 @@
+"""vLLM adapter: ``vllm serve <ckpt> --quantization nvfp4``.
+
+vLLM calls :func:`register` (entry point group ``vllm.general_plugins``) in every process it starts;
+it must be cheap and re-entrant.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("nvfp4_plugin")
+_REGISTERED = False
+
+
+def register() -> None:
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from vllm.model_executor.layers.linear import register_weight_loader_v2_supported_method
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    from .config import Nvfp4VllmConfig
+    from .linear import Nvfp4VllmLinearMethod
+
+    register_quantization_config("nvfp4")(Nvfp4VllmConfig)
+    register_weight_loader_v2_supported_method(Nvfp4VllmLinearMethod)
+    _REGISTERED = True
+    logger.info("nvfp4_plugin: registered quantization method 'nvfp4' with vLLM")

@@ -1,0 +1,75 @@
+"""vLLM quantization config ``nvfp4``: parses ModelOpt and compressed-tensors NVFP4 checkpoints."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+from ..common import QuantSpec, parse_quant_config
+
+logger = logging.getLogger("nvfp4_plugin")
+
+NAME = "nvfp4"
+
+
+class Nvfp4VllmConfig(QuantizationConfig):
+    def __init__(self, spec: QuantSpec):
+        super().__init__()
+        self.spec = spec
+
+    def get_name(self) -> str:
+        return NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 90  # Hopper: our FP4-weight kernels; Blackwell: FP4 tensor cores
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return ["hf_quant_config.json"]
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Nvfp4VllmConfig:
+        return cls(parse_quant_config(config))
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
+        # Without this, vLLM's ModelOpt override turns "--quantization nvfp4" into "modelopt_fp4".
+        if user_quant != NAME:
+            return None
+        if hf_quant_cfg is None:
+            raise ValueError("--quantization nvfp4: the checkpoint has no quantization_config / hf_quant_config.json; "
+                             "quantize it first with `nvfp4-plugin quantize SRC DST`")
+        try:
+            parse_quant_config(hf_quant_cfg)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"--quantization nvfp4: the checkpoint is not an NVFP4 checkpoint we can load: {exc}") from exc
+        return NAME
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        self.spec = self.spec.with_excludes(hf_to_vllm_mapper.apply_list(list(self.spec.exclude)))
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+        from .linear import Nvfp4VllmLinearMethod
+        from .moe import Nvfp4VllmFusedMoEMethod
+
+        if isinstance(layer, (LinearBase, ParallelLMHead)):
+            if self.spec.is_excluded(prefix, self.packed_modules_mapping):
+                return UnquantizedLinearMethod()
+            layer.prefix = prefix
+            return Nvfp4VllmLinearMethod(self)
+        if isinstance(layer, RoutedExperts):
+            if self.spec.is_excluded(prefix, self.packed_modules_mapping):
+                return None
+            return Nvfp4VllmFusedMoEMethod(self, layer.moe_config)
+        return None  # attention: vLLM's default (KV-cache quantization is not ours)

@@ -1,0 +1,54 @@
+"""vLLM linear method: vLLM's parameter classes and loaders, our engine-neutral Nvfp4Linear."""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers.linear import LinearMethodBase
+from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
+
+from ...layers import Nvfp4Linear
+from ..common import build_weight, layer_tensor_names, register_prepared, prepared_tensors, scalar_scales
+
+
+class Nvfp4VllmLinearMethod(LinearMethodBase):
+    def __init__(self, quant_config):
+        self.quant_config = quant_config
+        self.names = layer_tensor_names(quant_config.spec.format)
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        if input_size_per_partition % 16:
+            raise ValueError(f"{layer.__class__.__name__}: NVFP4 needs the input size per partition to be a multiple "
+                             f"of 16, got {input_size_per_partition}")
+        n = sum(output_partition_sizes)
+        k = input_size_per_partition
+        loader = extra_weight_attrs["weight_loader"]
+        layer.logical_widths = list(output_partition_sizes)
+        layer.nvfp4_act_dtype = params_dtype
+        nm = self.names
+        layer.register_parameter(nm.weight, ModelWeightParameter(
+            data=torch.empty(n, k // 2, dtype=torch.uint8), input_dim=1, output_dim=0, weight_loader=loader))
+        layer.register_parameter(nm.block_scale, ModelWeightParameter(
+            data=torch.empty(n, k // 16, dtype=torch.float8_e4m3fn), input_dim=1, output_dim=0, weight_loader=loader))
+        # one scalar per fused shard; NaN marks "not in the checkpoint" (weight-only checkpoints)
+        for name in (nm.weight_global, nm.input_global):
+            layer.register_parameter(name, PerTensorScaleParameter(
+                data=torch.full((len(output_partition_sizes),), float("nan"), dtype=torch.float32),
+                weight_loader=loader))
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        nm = self.names
+        prefix = getattr(layer, "prefix", layer.__class__.__name__)
+        weight = build_weight(prefix, nm, getattr(layer, nm.weight).data, getattr(layer, nm.block_scale).data,
+                              getattr(layer, nm.weight_global).data, layer.logical_widths)
+        input_gs = scalar_scales(prefix, nm, getattr(layer, nm.input_global).data, encode=True, optional=True)
+        # one activation scale for the fused input: the smallest encode scale (largest amax) never saturates
+        core = Nvfp4Linear(weight, None if input_gs is None else input_gs.min().reshape(1),
+                           act_dtype=layer.nvfp4_act_dtype)
+        for name in (nm.weight, nm.block_scale, nm.weight_global, nm.input_global):
+            delattr(layer, name)
+        register_prepared(layer, core.tensors)
+        layer.nvfp4_core = core
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return layer.nvfp4_core(x, bias, prepared_tensors(layer, layer.nvfp4_core.tensors))

@@ -1,0 +1,50 @@
+"""vLLM discovers the plugin through its entry point, and --quantization nvfp4 sticks for both formats."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from .vllm_harness import start  # noqa: E402
+
+start()
+
+from vllm.config import ModelConfig  # noqa: E402
+
+from .test_vllm_linear import CT, MODELOPT  # noqa: E402
+
+
+def test_entry_point_discovery_in_a_fresh_process():
+    code = ("from vllm.plugins import load_general_plugins; load_general_plugins(); load_general_plugins();"
+            "from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config;"
+            "assert QUANTIZATION_METHODS.count('nvfp4') == 1, QUANTIZATION_METHODS;"
+            "print(get_quantization_config('nvfp4').__module__)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "nvfp4_plugin.engines.vllm.config" in res.stdout
+
+
+def model_dir(tmp_path, quant_cfg):
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+           "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+           "vocab_size": 1000, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+           "quantization_config": quant_cfg}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("quant_cfg,builtin", [(MODELOPT, "modelopt_fp4"), (CT, "compressed-tensors")])
+def test_quantization_nvfp4_is_not_overridden(tmp_path, quant_cfg, builtin):
+    d = model_dir(tmp_path, quant_cfg)
+    assert ModelConfig(model=d, quantization="nvfp4", skip_tokenizer_init=True).quantization == "nvfp4"
+    # without the flag vLLM keeps its own path: we only take over when asked
+    assert ModelConfig(model=d, skip_tokenizer_init=True).quantization == builtin
+
+
+def test_non_nvfp4_checkpoint_is_refused_with_a_clear_message(tmp_path):
+    d = model_dir(tmp_path, {"quant_method": "modelopt", "quant_algo": "FP8"})
+    with pytest.raises(ValueError, match="--quantization nvfp4: the checkpoint is not an NVFP4 checkpoint .*quant_algo: expected NVFP4 or W4A16_NVFP4, got .FP8."):
+        ModelConfig(model=d, quantization="nvfp4", skip_tokenizer_init=True)

@@ -1,0 +1,62 @@
+"""Build real vLLM layers on a CPU machine (vLLM's CPU platform, a 1-process gloo group), with
+tensor parallelism simulated by patching the TP rank/size that layers and parameters read."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from unittest import mock
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch  # noqa: E402
+import vllm.platforms as _platforms  # noqa: E402
+
+if not torch.cuda.is_available():
+    from vllm.platforms.cpu import CpuPlatform
+
+    _platforms._current_platform = CpuPlatform()
+
+from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
+
+_STARTED = False
+
+
+def start():
+    """vLLM config context + distributed state, once per process."""
+    global _STARTED
+    if _STARTED:
+        return
+    ctx = set_current_vllm_config(VllmConfig())
+    ctx.__enter__()
+    init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                 distributed_init_method=f"file://{tempfile.mktemp()}", backend="gloo")
+    initialize_model_parallel(1, 1)
+    import nvfp4_plugin.engines.vllm as nv
+
+    nv.register()
+    _STARTED = True
+
+
+@contextlib.contextmanager
+def simulated_tp(size: int, rank: int):
+    """Layers and vLLM parameters built inside see ``size`` ranks and are rank ``rank``."""
+    targets = ["vllm.model_executor.layers.linear", "vllm.model_executor.parameter",
+               "vllm.model_executor.layers.vocab_parallel_embedding", "vllm.model_executor.layers.fused_moe.config"]
+    with contextlib.ExitStack() as st:
+        for t in targets:
+            mod = __import__(t, fromlist=["_"])
+            if hasattr(mod, "get_tensor_model_parallel_world_size"):
+                st.enter_context(mock.patch(f"{t}.get_tensor_model_parallel_world_size", return_value=size))
+            st.enter_context(mock.patch(f"{t}.get_tensor_model_parallel_rank", return_value=rank))
+        yield
+
+
+_COUNTER = iter(range(10**9))
+
+
+def unique_layer(idx_base: str = "mlp.experts") -> str:
+    """vLLM registers every MoE layer by name in the current config: each test layer needs its own."""
+    return f"model.layers.{next(_COUNTER)}.{idx_base}"
