@@ -222,12 +222,18 @@ def nan_ignoring_amax(x: torch.Tensor, dim: int = -1, inf_as_max: bool = False) 
     return a.amax(dim=dim)
 
 
+def fp32_div(numerator: float, t: torch.Tensor) -> torch.Tensor:
+    """IEEE fp32 ``numerator / t`` (one rounding; torch's ``scalar / tensor`` rounds twice)."""
+    return torch.full_like(t, numerator, dtype=torch.float32) / t.float()
+
+
 def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """Encode global scale ``2688 / amax`` (fp32 division); 1.0 where amax is 0 or not finite."""
     amax = amax.float()
     ok = (amax > 0) & torch.isfinite(amax)
     safe = torch.where(ok, amax, torch.ones_like(amax))
-    return torch.where(ok, NVFP4_GLOBAL_SCALE_NUMERATOR / safe, torch.ones_like(amax))
+    # note: `python_scalar / tensor` in torch is reciprocal(tensor) * scalar (two roundings)
+    return torch.where(ok, fp32_div(NVFP4_GLOBAL_SCALE_NUMERATOR, safe), torch.ones_like(amax))
 
 
 def tensor_global_scale(x: torch.Tensor) -> torch.Tensor:

@@ -384,7 +384,7 @@ def per_token_group_quant_fp8(input: torch.Tensor, group_size: int = nx.FP8_GROU
         mult = nx.exp2_int(-e)
         stored = (e + nx.E8M0_BIAS).to(torch.uint8)
     else:
-        mult = nx.E4M3_MAX / a
+        mult = nx.fp32_div(nx.E4M3_MAX, a)
         stored = a * nx._ONE_OVER_448_F32
     q = nx.e4m3_saturate(groups * mult[..., None]).reshape(m, k)
     out_s = alloc_fp8_group_scales(m, k, group_size, column_major=column_major_scales, scale_ue8m0=scale_ue8m0,
@@ -499,3 +499,89 @@ def nvfp4_fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w13_scale: t
         y = nvfp4_linear(act, w2[ex], w2_scale[ex], _expert_gs(w2_global_scale, ex), **kw)
         out.index_add_(0, tok, y.float() * topk_weights[tok, slot].float()[:, None])
     return out.to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSeek-V4 MegaMoE input staging (seed file 004). Appended with the Triton kernels (issue 4);
+# the byte-exact Triton twin is nvfp4_plugin.triton.staging.
+# ----------------------------------------------------------------------------------------------
+
+MEGA_MOE_HIDDEN_MULTIPLE = 128
+#: Encode global scale of the staging. The MegaMoE GEMM consumes the UE4M3 block scales as they are
+#: and has no per-tensor factor (seed 004 computes ``amax / 6`` directly), so the NVFP4 recipe runs
+#: with ``gs = 1``: ``s = e4m3(vmax * fp32(1/6))``, ``q = E2M1(x / s)``, ``x_hat = e2m1(q) * s``.
+MEGA_MOE_GLOBAL_SCALE = 1.0
+
+
+def check_mega_moe_staging_args(hidden_states, topk_weights, topk_ids, x_fp4, x_sf, topk_idx_out,
+                                topk_weights_out) -> None:
+    """Validation shared by the reference and the Triton staging (metadata only, no host sync)."""
+    check_tensor("hidden_states", hidden_states, dtypes=FLOAT_ACT_DTYPES, ndim=2)
+    m, k = hidden_states.shape
+    dev = hidden_states.device
+    check_multiple("hidden_states", k, MEGA_MOE_HIDDEN_MULTIPLE, "last dim (hidden_size)")
+    check_tensor("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64), ndim=2, device=dev)
+    if topk_ids.shape[0] != m:
+        raise ValueError(f"topk_ids: expected {m} rows (one per token of hidden_states), got shape "
+                         f"{tuple(topk_ids.shape)}")
+    top = tuple(topk_ids.shape)
+    check_tensor("topk_weights", topk_weights, dtypes=FLOAT_ACT_DTYPES, device=dev)
+    check_shape("topk_weights", topk_weights, top)
+    check_tensor("x_fp4", x_fp4, dtypes=(torch.uint8,), device=dev)
+    check_shape("x_fp4", x_fp4, (m, k // 2))
+    check_tensor("x_sf", x_sf, dtypes=(torch.int32,), device=dev)
+    check_shape("x_sf", x_sf, (m, k // 64))
+    check_tensor("topk_idx_out", topk_idx_out, dtypes=(torch.int64,), device=dev)
+    check_shape("topk_idx_out", topk_idx_out, top)
+    check_tensor("topk_weights_out", topk_weights_out, dtypes=FLOAT_ACT_DTYPES, device=dev)
+    check_shape("topk_weights_out", topk_weights_out, top)
+
+
+def pack_mega_moe_scales(scales: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scales ``[M, K/16]`` -> int32 ``[M, K/64]``, group g in byte ``g % 4`` of word ``g // 4``."""
+    b = scales.view(torch.uint8).to(torch.int64).reshape(*scales.shape[:-1], -1, 4)
+    words = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_mega_moe_scales(x_sf: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_mega_moe_scales`: int32 ``[M, K/64]`` -> float8_e4m3fn ``[M, K/16]``."""
+    w = x_sf.to(torch.int64) & 0xFFFFFFFF
+    b = torch.stack([(w >> (8 * j)) & 0xFF for j in range(4)], dim=-1).to(torch.uint8)
+    return b.reshape(*x_sf.shape[:-1], -1).view(torch.float8_e4m3fn)
+
+
+def stage_deepseek_v4_mega_moe_inputs(hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                                      topk_ids: torch.Tensor, x_fp4: torch.Tensor, x_sf: torch.Tensor,
+                                      topk_idx_out: torch.Tensor, topk_weights_out: torch.Tensor) -> None:
+    """Stage MegaMoE inputs in place: ``x_fp4`` (E2M1 ``[M, K/2]``), ``x_sf`` (UE4M3 per 16, packed four
+    per int32 ``[M, K/64]``), ``topk_idx_out = topk_ids`` as int64, ``topk_weights_out = topk_weights``.
+
+    ``K`` must be a multiple of 128; arguments are validated for any M, and ``M == 0`` writes nothing.
+    The quantization is the NVFP4 recipe of :mod:`nvfp4_plugin.numerics` with
+    :data:`MEGA_MOE_GLOBAL_SCALE` (1): the same bytes as ``scaled_fp4_quant(hidden_states, 1.0,
+    swizzle=False)``. Without a global scale, a block whose amax is at most ``6 * 2**-10`` gets scale
+    0 (every value becomes a signed zero) and blocks below ``6 * 2**-6`` get subnormal (coarser)
+    scales; scale ``hidden_states`` beforehand if that matters (the consumer has no per-tensor factor).
+
+    Differences from the seed kernel's rounding (ours follows DESIGN 3.1/3.2):
+      * E2M1 ties go to even: 0.25 -> 0, 1.25 -> 1, 2.5 -> 2, 5 -> 4 (the seed's ``<`` thresholds
+        send these four up; 0.75, 1.75 and 3.5 agree);
+      * the E4M3 scale is rounded to nearest even (the seed adds the round bit: ties up), saturates at
+        448 (the seed's exponent clamp can produce 0x7F, a NaN), and subnormal scales are correct
+        (the seed clamps the exponent to 0 but keeps the normal mantissa bits, so every block with
+        ``amax < 0.09375`` gets a wrong scale, often 0 followed by saturated elements);
+      * an all-zero block has scale 0 (the seed floors amax at 1e-4); NaN never raises a scale and
+        encodes as code 0;
+      * elements are multiplied by the IEEE reciprocal ``1 / s`` (the seed divides with Triton's
+        approximate ``/``), and ``-0.0`` encodes as 0x8 (the seed's ``scaled < 0`` test gives +0).
+    """
+    check_mega_moe_staging_args(hidden_states, topk_weights, topk_ids, x_fp4, x_sf, topk_idx_out, topk_weights_out)
+    if hidden_states.shape[0] == 0:
+        return
+    gs = torch.full((), MEGA_MOE_GLOBAL_SCALE, dtype=torch.float32, device=hidden_states.device)
+    packed, scales = _nvfp4_quantize(hidden_states, gs)
+    x_fp4.copy_(packed)
+    x_sf.copy_(pack_mega_moe_scales(scales))
+    topk_idx_out.copy_(topk_ids.to(torch.int64))
+    topk_weights_out.copy_(topk_weights)

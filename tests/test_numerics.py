@@ -223,3 +223,10 @@ def test_silu_and_mul_rounds_once_to_input_dtype(dtype):
     # fp32 evaluation then one rounding: at most one unit in the last place of dtype away from exact
     ulp = torch.finfo(dtype).eps * exact.abs().clamp(min=torch.finfo(dtype).tiny)
     assert ((got.double() - exact).abs() <= ulp * 1.0001).all()
+
+
+def test_fp32_div_is_one_rounding():
+    a = torch.rand(100000, generator=torch.Generator().manual_seed(0)) * 100 + 0.01
+    expect = torch.tensor([2688.0 / v for v in a.double().tolist()], dtype=torch.float64).float()
+    assert torch.equal(nx.fp32_div(2688.0, a), expect)  # double division rounded once is correctly rounded
+    assert torch.equal(nx.global_scale_from_amax(a), expect)
