@@ -70,6 +70,104 @@ def demo(args) -> int:
     return 0
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, delivered like Ctrl-C so that half-written outputs are cleaned up the same way."""
+
+
+def _with_sigterm_as_interrupt(fn, args) -> int:
+    import signal
+
+    def on_term(signum, frame):
+        raise _Terminated()
+
+    try:
+        old = signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread
+        return fn(args)
+    try:
+        return fn(args)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _setup_logging(quiet: bool) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s")
+
+
+def quantize(args) -> int:
+    """bf16/fp16 safetensors checkpoint -> NVFP4 checkpoint (ModelOpt or compressed-tensors)."""
+    from .checkpoints.calibrate import read_calibration_file
+    from .checkpoints.errors import CheckpointError, MissingDependency
+    from .checkpoints.quantize import QuantizeOptions, quantize_checkpoint
+
+    _setup_logging(args.quiet)
+    opts = QuantizeOptions(format=args.format, exclude=tuple(args.exclude),
+                           default_excludes=not args.no_default_excludes, device=args.device,
+                           calibration=not args.no_calibration,
+                           calib_texts=read_calibration_file(args.calib_file) if args.calib_file else None,
+                           calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
+                           per_shard_global_scales=args.per_shard_global_scales, max_shard_size=args.max_shard_size,
+                           overwrite=args.overwrite, progress=not args.quiet)
+    try:
+        report = _with_sigterm_as_interrupt(lambda _a: quantize_checkpoint(args.src, args.dst, opts), args)
+    except (CheckpointError, FileExistsError, MissingDependency) as exc:
+        print(f"nvfp4-plugin quantize: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"nvfp4-plugin quantize: interrupted; {args.dst} was not written", file=sys.stderr)
+        return 130
+    print(report.summary())
+    if report.filled_experts:
+        print(f"note: {len(report.filled_experts)} experts saw no calibration tokens and use their layer's largest "
+              "input scale")
+    return 0
+
+
+def make_model_cmd(args) -> int:
+    """Random-init Hugging Face checkpoint with a locally trained tokenizer."""
+    from pathlib import Path
+
+    from .checkpoints.errors import MissingDependency
+    from .checkpoints.random_model import make_model
+
+    out = Path(args.dir)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        print(f"nvfp4-plugin make-model: error: {out} is not empty (pass --overwrite)", file=sys.stderr)
+        return 2
+    try:
+        r = _with_sigterm_as_interrupt(
+            lambda _a: make_model(out, args.arch, args.size, args.seed, device=args.device,
+                                  max_shard_size=args.max_shard_size, progress=not args.quiet), args)
+    except KeyboardInterrupt:
+        print(f"nvfp4-plugin make-model: interrupted; {out} is incomplete", file=sys.stderr)
+        return 130
+    except MissingDependency as exc:
+        print(f"nvfp4-plugin make-model: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {r['dir']}: {r['arch']} {r['size']}, {r['params'] / 1e6:.1f}M parameters, vocab {r['vocab']}, "
+          f"{len(r['files'])} file(s), {r['bytes'] / 1e9:.2f} GB bf16, {r['seconds']:.1f}s on {r['device']}")
+    return 0
+
+
+def check(args) -> int:
+    """Validate an NVFP4 checkpoint folder (config, headers, shapes, dtypes, scale values)."""
+    from .checkpoints.errors import CheckpointError
+    from .checkpoints.loader import open_checkpoint
+
+    try:
+        with open_checkpoint(args.dir, check_block_scales=not args.no_block_scales) as ck:
+            c = ck.config
+            print(f"{args.dir}: OK: {c.format} {c.quant_algo} (from {c.source}), {len(ck.linears)} quantized linear "
+                  f"modules, {len(ck.moe_layers)} MoE layers, {len(ck.passthrough)} high-precision tensors, "
+                  f"{len(c.exclude_modules)} exclude entries")
+    except CheckpointError as exc:
+        print(f"nvfp4-plugin check: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="nvfp4-plugin", description="NVFP4 quantization plugin for vLLM and SGLang")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -78,8 +176,54 @@ def main(argv=None) -> int:
     p.add_argument("--m", type=int, default=256)
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
+
+    from .checkpoints import formats, naming
+    from .checkpoints.random_model import ARCHS, SIZES
+
+    p = sub.add_parser("quantize", help="quantize a bf16/fp16 safetensors checkpoint to NVFP4",
+                       description="Quantize a Hugging Face safetensors checkpoint folder to NVFP4 (streamed tensor by "
+                                   "tensor; DST appears only when complete).")
+    p.add_argument("src", help="source folder (config.json + *.safetensors, bf16/fp16/fp32)")
+    p.add_argument("dst", help="output folder (must not exist unless --overwrite)")
+    p.add_argument("--format", choices=formats.FORMATS, default=formats.MODELOPT)
+    p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
+                   help="leave matching modules in high precision (fnmatch on module names, e.g. '*.o_proj', "
+                        "'model.layers.0.*'; repeatable; added to the defaults: "
+                        + ", ".join(naming.DEFAULT_EXCLUDES) + ")")
+    p.add_argument("--no-default-excludes", action="store_true", help="drop the default exclude patterns "
+                                                                      "(embeddings stay excluded)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cuda:N or cpu")
+    p.add_argument("--no-calibration", action="store_true",
+                   help="weight-only NVFP4 (W4A16_NVFP4): no activation scales, no forward pass")
+    p.add_argument("--calib-file", help="calibration text (UTF-8; paragraphs separated by blank lines, or .jsonl "
+                                        "with a 'text' field) instead of the built-in text")
+    p.add_argument("--calib-samples", type=int, default=16, help="calibration sequences (default 16)")
+    p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    p.add_argument("--per-shard-global-scales", action="store_true",
+                   help="one global scale per tensor instead of one per fused group (q/k/v, gate/up); exact with "
+                        "this plugin, lossy with the engines' built-in loaders")
+    p.add_argument("--max-shard-size", default="5GB", help="output shard size (default 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists (atomically, at the end)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
+
+    p = sub.add_parser("make-model", help="write a random-init Hugging Face checkpoint with a local tokenizer")
+    p.add_argument("dir")
+    p.add_argument("--arch", choices=ARCHS, default="llama")
+    p.add_argument("--size", choices=SIZES, default="tiny",
+                   help="tiny (~2M params), small (~50-100M), 8b-shape (~8B, ~16 GB bf16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="where random numbers are drawn: auto, cuda or cpu")
+    p.add_argument("--max-shard-size", default="4.5GB")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+
+    p = sub.add_parser("check", help="validate an NVFP4 checkpoint folder (CPU only)")
+    p.add_argument("dir")
+    p.add_argument("--no-block-scales", action="store_true", help="skip reading block-scale values")
+
     args = parser.parse_args(argv)
-    return {"info": info, "demo": demo}[args.cmd](args)
+    commands = {"info": info, "demo": demo, "quantize": quantize, "make-model": make_model_cmd, "check": check}
+    return commands[args.cmd](args)
 
 
 if __name__ == "__main__":

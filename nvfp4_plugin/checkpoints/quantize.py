@@ -1,0 +1,425 @@
+"""``nvfp4-plugin quantize``: a bf16/fp16 Hugging Face safetensors checkpoint -> an NVFP4 checkpoint.
+
+Output (ModelOpt by default, or compressed-tensors): sharded safetensors with an index, the
+format's quantization config (ModelOpt: ``hf_quant_config.json`` *and* ``quantization_config`` in
+``config.json``, as ModelOpt itself writes them), and every other file of the source folder
+(tokenizer, generation config, chat template, ...).
+
+What gets quantized: every 2-D floating-point ``*.weight`` whose module is not excluded (default
+excludes: lm_head, embeddings, MoE routers, norms, vision towers; see ``naming.DEFAULT_EXCLUDES``)
+and whose K is a multiple of 16. Fused groups (q/k/v, gate/up, each expert's gate/up, DeepSeek's
+q_a/kv_a) are quantized or excluded together and share one global scale (the group's amax), as
+ModelOpt does: the engines' built-in loaders keep one scale per fused layer, so shared scales are
+what makes the file exact for them too (``--per-shard-global-scales`` keeps one per tensor, which
+our loader handles exactly and the built-in ones do not).
+
+Numerics: the reference recipe (:mod:`nvfp4_plugin.numerics`) through ``ops.scaled_fp4_quant`` (the
+fastest backend on the device, byte-identical to the reference). Global scales are
+``2688/amax`` moved to the fp32 reciprocal fixed point (:func:`formats.global_scale_from_amax_exact`)
+so both formats load to identical canonical tensors.
+
+Activation scales: with calibration (default), ``input_scale`` per linear from the input amax seen
+while running the bf16 model on a small built-in text (or ``--calib-file``), quant_algo NVFP4 (W4A4);
+fused shards share their input, so they get the same value. ``--no-calibration`` writes weight-only
+``W4A16_NVFP4`` (compressed-tensors: the NVFP4A16 preset): no activation-scale tensors at all, so no
+engine can mistake an invented scale for a measured one.
+
+Streaming and atomicity: tensors are read one fused group at a time with ``pread`` (a background
+thread reads ahead by two groups), quantized on the device and appended to the output shards whose
+headers were planned up front; peak host memory is a few tensors. Everything is written into
+``DST.tmp-XXXX`` next to DST, validated with our loader (headers and scales), and renamed to DST at the
+end; any failure or Ctrl-C removes the temporary folder, so DST is either complete or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import formats as F
+from . import naming
+from .config import (CONFIG_JSON, HF_QUANT_CONFIG, compressed_tensors_quantization_config,
+                     modelopt_hf_quant_config, modelopt_quantization_config)
+from .errors import CheckpointError, problem
+from .safetensors_io import INDEX_FILE, CheckpointFiles, ReadAhead, ShardedWriter, TensorSpec, parse_size
+
+logger = logging.getLogger("nvfp4_plugin")
+
+_SOURCE_DTYPES = ("BF16", "F16", "F32")
+#: Files of the source folder that are not copied (weights in any format, and configs we rewrite).
+_SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".ckpt")
+_SKIP_NAMES = {INDEX_FILE, "pytorch_model.bin.index.json", CONFIG_JSON, HF_QUANT_CONFIG}
+
+
+@dataclass
+class QuantizeOptions:
+    format: str = F.MODELOPT
+    exclude: tuple[str, ...] = ()             # added to the defaults
+    default_excludes: bool = True
+    device: str = "auto"
+    calibration: bool = True
+    calib_texts: list[str] | None = None      # None: the built-in text
+    calib_samples: int = 16
+    calib_seq_len: int = 512
+    calib_batch_size: int = 4
+    per_shard_global_scales: bool = False
+    max_shard_size: int | str = "5GB"
+    overwrite: bool = False
+    progress: bool = True
+
+
+@dataclass
+class QuantGroup:
+    """Modules quantized together with one global scale (one module unless fused)."""
+
+    key: str
+    modules: list[str]
+
+    def weights(self) -> list[str]:
+        return [m + ".weight" for m in self.modules]
+
+
+@dataclass
+class QuantPlan:
+    items: list  # ("copy", tensor name) | ("quant", QuantGroup), in output order
+    quantized: dict[str, tuple[int, int]]  # module -> (N, K)
+    excluded: dict[str, str]                # module -> reason
+    exclude_list: list[str]                 # written to the config
+    specs: list[TensorSpec] = field(default_factory=list)
+
+    @property
+    def modules(self) -> list[str]:
+        return list(self.quantized)
+
+
+@dataclass
+class QuantizeReport:
+    dst: str
+    format: str
+    quant_algo: str
+    modules_quantized: int
+    modules_excluded: dict[str, str]
+    files: list[str]
+    bytes_in: int
+    bytes_out: int
+    seconds_calibration: float
+    seconds_quantize: float
+    seconds_total: float
+    device: str
+    filled_experts: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (f"wrote {self.dst}: {self.format} {self.quant_algo}, {self.modules_quantized} modules quantized, "
+                f"{len(self.modules_excluded)} left in high precision, {len(self.files)} file(s), "
+                f"{self.bytes_in / 1e9:.2f} GB -> {self.bytes_out / 1e9:.2f} GB; "
+                f"calibration {self.seconds_calibration:.1f}s, quantization {self.seconds_quantize:.1f}s, "
+                f"total {self.seconds_total:.1f}s on {self.device}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Planning (pure: headers in, plan out)
+# ----------------------------------------------------------------------------------------------
+
+def plan_quantization(files: CheckpointFiles, options: QuantizeOptions, quant_algo: str) -> QuantPlan:
+    patterns = (naming.DEFAULT_EXCLUDES if options.default_excludes else ()) + tuple(options.exclude)
+    candidates: dict[str, tuple[int, int]] = {}
+    excluded: dict[str, str] = {}
+    for name, info in files.tensors.items():
+        if not name.endswith(".weight") or len(info.shape) != 2 or info.dtype not in _SOURCE_DTYPES:
+            continue
+        module = name[: -len(".weight")]
+        n, k = info.shape
+        p = naming.matches_any(module, patterns)
+        if naming.is_embedding(module):
+            excluded[module] = "embedding"
+        elif p is not None:
+            excluded[module] = f"--exclude {p!r}" if p in options.exclude else f"default exclude {p!r}"
+        elif k % 16:
+            excluded[module] = f"K = {k} is not a multiple of 16"
+        candidates[module] = (n, k)
+    # Fused groups and MoE layers are all quantized or all excluded (engines cannot mix them).
+    groups: dict[str, list[str]] = defaultdict(list)
+    for m in candidates:
+        g = naming.fused_group(m)
+        if g is not None:
+            groups[g[0]].append(m)
+        ex = naming.parse_expert(m)
+        if ex is not None:
+            groups["moe:" + ex.prefix].append(m)
+    for key, members in groups.items():
+        why = [f"{m} ({excluded[m]})" for m in members if m in excluded]
+        if why:
+            for m in members:
+                excluded.setdefault(m, f"fused with excluded {why[0]}" if not key.startswith("moe:")
+                                    else f"same MoE layer as excluded {why[0]}")
+    quantized = {m: nk for m, nk in candidates.items() if m not in excluded}
+    ks = defaultdict(set)
+    for m in quantized:
+        g = naming.fused_group(m)
+        if g is not None:
+            ks[g[0]].add(quantized[m][1])
+    for key, kset in ks.items():
+        if len(kset) > 1:
+            raise CheckpointError(problem(None, key, f"fused group members have different K {sorted(kset)}"))
+
+    # Output order: source order; a quantized group is emitted where its first member's weight is.
+    items = []
+    emitted = set()
+    order = sorted(files.tensors.values(), key=lambda i: (i.file, i.begin))
+    for info in order:
+        module = info.name[: -len(".weight")] if info.name.endswith(".weight") else None
+        if module in quantized:
+            g = naming.fused_group(module) if not options.per_shard_global_scales else None
+            key = g[0] if g is not None else module
+            if key in emitted:
+                continue
+            emitted.add(key)
+            members = [m for m in g[2] if m in quantized] if g is not None else [module]
+            items.append(("quant", QuantGroup(key, members)))
+        else:
+            items.append(("copy", info.name))
+
+    spec = F.spec(options.format)
+    specs = []
+    for kind, x in items:
+        if kind == "copy":
+            info = files.info(x)
+            specs.append(TensorSpec(x, info.dtype, info.shape))
+            continue
+        for m in x.modules:
+            n, k = quantized[m]
+            specs += [TensorSpec(f"{m}.{spec.suffix(F.ROLE_WEIGHT)}", "U8", (n, k // 2)),
+                      TensorSpec(f"{m}.{spec.suffix(F.ROLE_BLOCK_SCALE)}", "F8_E4M3", (n, k // 16)),
+                      TensorSpec(f"{m}.{spec.suffix(F.ROLE_GLOBAL_SCALE)}", "F32", spec.scalar_shape)]
+            if quant_algo == F.ALGO_W4A4:
+                specs.append(TensorSpec(f"{m}.{spec.suffix(F.ROLE_INPUT_SCALE)}", "F32", spec.scalar_shape))
+
+    # The exclude list engines see: every high-precision linear-like module (exact names, which
+    # vLLM's wildcards, SGLang's substring match and compressed-tensors' names all read the same way),
+    # lm_head always (tied heads have no tensor but are still a linear layer), and whole MoE layers.
+    exclude_list = {m for m in excluded if not naming.is_embedding(m)}
+    if "lm_head" not in quantized:
+        exclude_list.add("lm_head")
+    for m in list(exclude_list):
+        ex = naming.parse_expert(m)
+        if ex is not None:
+            exclude_list.add(ex.prefix)
+    return QuantPlan(items, quantized, excluded, sorted(exclude_list), specs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Running
+# ----------------------------------------------------------------------------------------------
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    d = torch.device(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: no CUDA device is visible to torch")
+    return d
+
+
+def _input_amax_for(plan: QuantPlan, amax: dict[str, float]) -> tuple[dict[str, float], list[str]]:
+    from .calibrate import fill_missing_experts
+
+    amax = dict(amax)
+    filled = fill_missing_experts(amax, plan.modules)
+    missing = [m for m in plan.modules if m not in amax]
+    if missing:
+        raise CheckpointError([problem(None, m, "calibration saw no input for this module (the model's forward "
+                                                "never called it); use --no-calibration, or --exclude it")
+                               for m in missing], "calibration")
+    return amax, filled
+
+
+class _Quantizer:
+    """``ops.scaled_fp4_quant`` (fastest backend on the device), checked once against the reference.
+
+    The first tensor of a run is also quantized with the pure-torch reference on the same device; if
+    the bytes differ, the run continues on the reference (slower, correct) and says so.
+    """
+
+    def __init__(self):
+        self.fn = None
+
+    def __call__(self, x: torch.Tensor, gs: torch.Tensor):
+        from .. import ops, reference
+
+        if self.fn is None:
+            fast = ops.scaled_fp4_quant(x, gs, swizzle=False)
+            ref = reference.scaled_fp4_quant(x, gs, swizzle=False)
+            same = torch.equal(fast[0], ref[0]) and torch.equal(fast[1].view(torch.uint8), ref[1].view(torch.uint8))
+            if not same:
+                logger.warning("nvfp4_plugin: quantize: the fast scaled_fp4_quant backend disagrees with the "
+                               "reference on %s; using the reference for this run", x.device)
+            self.fn = ops.scaled_fp4_quant if same else reference.scaled_fp4_quant
+            return ref
+        return self.fn(x, gs, swizzle=False)
+
+
+def _quantize_group(group: QuantGroup, tensors, files: CheckpointFiles, device, options: QuantizeOptions,
+                    quant_algo: str, input_amax: dict[str, float], writer: ShardedWriter, quantizer) -> None:
+    spec = F.spec(options.format)
+    xs = []
+    amaxes = []
+    for m, t in zip(group.modules, tensors):
+        x = t.to(device)
+        if not bool(torch.isfinite(x).all()):
+            raise CheckpointError(problem(files.relname(m + ".weight"), m + ".weight",
+                                          "source weight contains NaN or Inf; refusing to quantize it"))
+        xs.append(x)
+        amaxes.append(x.abs().amax().float())
+    if options.per_shard_global_scales:
+        scales = [F.global_scale_from_amax_exact(a) for a in amaxes]
+    else:
+        shared = F.global_scale_from_amax_exact(torch.stack(amaxes).amax())
+        scales = [shared] * len(xs)
+    in_gs = None
+    if quant_algo == F.ALGO_W4A4:
+        in_gs = F.global_scale_from_amax_exact(max(input_amax[m] for m in group.modules))
+    for m, x, gs in zip(group.modules, xs, scales):
+        packed, block = quantizer(x, gs.reshape(1).to(device))
+        writer.write(f"{m}.{spec.suffix(F.ROLE_WEIGHT)}", packed.cpu())
+        writer.write(f"{m}.{spec.suffix(F.ROLE_BLOCK_SCALE)}", block.cpu())
+        writer.write(f"{m}.{spec.suffix(F.ROLE_GLOBAL_SCALE)}", F.checkpoint_global_from_encode(gs, options.format))
+        if in_gs is not None:
+            writer.write(f"{m}.{spec.suffix(F.ROLE_INPUT_SCALE)}",
+                         F.checkpoint_input_from_encode(in_gs, options.format))
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    for p in src.iterdir():
+        if p.name.startswith(".") or p.name in _SKIP_NAMES or p.suffix in _SKIP_SUFFIXES:
+            continue
+        if p.is_dir():
+            shutil.copytree(p, dst / p.name, ignore=shutil.ignore_patterns(*(f"*{s}" for s in _SKIP_SUFFIXES)))
+        else:
+            shutil.copy2(p, dst / p.name)
+
+
+def _write_configs(src_config: dict, dst: Path, fmt: str, quant_algo: str, exclude_list) -> None:
+    cfg = dict(src_config)
+    if fmt == F.MODELOPT:
+        (dst / HF_QUANT_CONFIG).write_text(json.dumps(modelopt_hf_quant_config(quant_algo, exclude_list), indent=4)
+                                           + "\n")
+        cfg["quantization_config"] = modelopt_quantization_config(quant_algo, exclude_list)
+    else:
+        cfg["quantization_config"] = compressed_tensors_quantization_config(quant_algo, exclude_list)
+    (dst / CONFIG_JSON).write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwargs) -> QuantizeReport:
+    """Quantize the checkpoint folder ``src`` into ``dst`` (see the module docstring)."""
+    options = options or QuantizeOptions(**kwargs)
+    if options.format not in F.FORMATS:
+        raise ValueError(f"format: expected one of {F.FORMATS}, got {options.format!r}")
+    t_start = time.time()
+    src, dst = Path(src), Path(dst)
+    if dst.exists() and not options.overwrite:
+        raise FileExistsError(f"{dst} exists (pass --overwrite to replace it)")
+    if dst.resolve() == src.resolve():
+        raise ValueError("DST must differ from SRC")
+    cfg_path = src / CONFIG_JSON
+    if not cfg_path.exists():
+        raise CheckpointError(problem(src, None, f"no {CONFIG_JSON}: not a Hugging Face model folder"))
+    src_config = json.loads(cfg_path.read_text())
+    if src_config.get("quantization_config") or (src / HF_QUANT_CONFIG).exists():
+        how = (src_config.get("quantization_config") or {}).get("quant_method", HF_QUANT_CONFIG)
+        raise CheckpointError(problem(CONFIG_JSON, None, f"the source is already quantized ({how}); "
+                                                         "quantize a bf16/fp16 checkpoint"))
+    device = _resolve_device(options.device)
+    files = CheckpointFiles(src)
+    quant_algo = F.ALGO_W4A4 if options.calibration else F.ALGO_W4A16
+    plan = plan_quantization(files, options, quant_algo)
+    if not plan.quantized:
+        raise CheckpointError(problem(src, None, "nothing to quantize: every linear weight is excluded"))
+
+    input_amax: dict[str, float] = {}
+    filled: list[str] = []
+    t_cal = time.time()
+    if quant_algo == F.ALGO_W4A4:
+        from .calibrate import calibrate_input_amax
+
+        raw = calibrate_input_amax(src, files, plan.modules, device=device, texts=options.calib_texts,
+                                   samples=options.calib_samples, seq_len=options.calib_seq_len,
+                                   batch_size=options.calib_batch_size)
+        input_amax, filled = _input_amax_for(plan, raw)
+        if filled:
+            logger.warning("nvfp4_plugin: %d experts received no calibration tokens; they use their layer's "
+                           "largest input amax", len(filled))
+    t_cal = time.time() - t_cal
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{dst.name}.tmp-", dir=dst.parent))
+    writer = None
+    reader = None
+    bar = None
+    t_q = time.time()
+    try:
+        _copy_side_files(src, tmp)
+        _write_configs(src_config, tmp, options.format, quant_algo, plan.exclude_list)
+        writer = ShardedWriter(tmp, plan.specs, parse_size(options.max_shard_size),
+                               metadata={"format": "pt", "producer": "nvfp4-plugin"})
+        if options.progress:
+            from tqdm import tqdm
+            bar = tqdm(total=sum(i.nbytes for i in files.tensors.values()), unit="B", unit_scale=True,
+                       desc=f"quantize ({device.type})")
+        quantizer = _Quantizer()
+        # Read each group's source tensors two groups ahead, on a background thread.
+        reader = ReadAhead(plan.items,
+                           lambda it: [files.read(w) for w in it[1].weights()] if it[0] == "quant" else None)
+        for (kind, x), data in reader:
+            if kind == "copy":
+                writer.write_raw(x, files.file_of(x), x)
+                done = files.info(x).nbytes
+            else:
+                _quantize_group(x, data, files, device, options, quant_algo, input_amax, writer, quantizer)
+                done = sum(t.numel() * t.element_size() for t in data)
+            if bar is not None:
+                bar.update(done)
+        writer.close()
+        if bar is not None:
+            bar.close()
+            bar = None
+        # Our own loader must accept the result (headers, shapes, config, scalar scale values).
+        from .loader import validate_checkpoint
+        validate_checkpoint(tmp, check_block_scales=False)
+        out_files = list(writer.names)
+        bytes_out = sum((tmp / f).stat().st_size for f in out_files)
+        t_q = time.time() - t_q
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; DST gets the usual permissions
+        if dst.exists():
+            old = Path(tempfile.mkdtemp(prefix=f"{dst.name}.old-", dir=dst.parent))
+            os.rename(dst, old / dst.name)
+            os.rename(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, dst)
+    except BaseException:
+        if reader is not None:
+            reader.close()
+        if writer is not None:
+            writer.abort()
+        if bar is not None:
+            bar.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        files.close()
+    if reader is not None:
+        reader.close()
+    return QuantizeReport(str(dst), options.format, quant_algo, len(plan.quantized), dict(plan.excluded), out_files,
+                          sum(i.nbytes for i in files.tensors.values()), bytes_out, t_cal, t_q,
+                          time.time() - t_start, str(device), filled)
