@@ -161,5 +161,5 @@ def test_corrupt_global_scale_names_the_tensor():
                               params_dtype=torch.bfloat16)
     t = checkpoint_tensors("modelopt", torch.randn(32, 64), 2.0)
     t["weight_scale_2"] = torch.tensor(float("inf"))
-    with pytest.raises(ValueError, match=r"model.layers.3.mlp.down_proj.weight_scale_2: global scales must be finite"):
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.3.mlp.down_proj.weight_scale_2': weight_scale_2 must be finite and > 0, got inf"):
         load(layer, [(None, t)])

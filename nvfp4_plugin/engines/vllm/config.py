@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 from typing import Any
 
 import torch
@@ -10,7 +12,8 @@ from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMetho
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-from ..common import QuantSpec, parse_quant_config
+from ...checkpoints import validate_checkpoint
+from ..common import Nvfp4QuantConfig, is_layer_excluded, parse_quant_config
 
 logger = logging.getLogger("nvfp4_plugin")
 
@@ -18,7 +21,7 @@ NAME = "nvfp4"
 
 
 class Nvfp4VllmConfig(QuantizationConfig):
-    def __init__(self, spec: QuantSpec):
+    def __init__(self, spec: Nvfp4QuantConfig):
         super().__init__()
         self.spec = spec
 
@@ -55,7 +58,14 @@ class Nvfp4VllmConfig(QuantizationConfig):
         return NAME
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
-        self.spec = self.spec.with_excludes(hf_to_vllm_mapper.apply_list(list(self.spec.exclude)))
+        mapped = hf_to_vllm_mapper.apply_list(list(self.spec.exclude_modules))
+        self.spec = dataclasses.replace(self.spec, exclude_modules=tuple(mapped))
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
+        # Check every tensor of a local checkpoint on the CPU now, so a broken file fails with a
+        # message naming the file and tensor before any GPU work.
+        if os.path.isdir(model_name):
+            validate_checkpoint(model_name)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
@@ -64,12 +74,12 @@ class Nvfp4VllmConfig(QuantizationConfig):
         from .moe import Nvfp4VllmFusedMoEMethod
 
         if isinstance(layer, (LinearBase, ParallelLMHead)):
-            if self.spec.is_excluded(prefix, self.packed_modules_mapping):
+            if is_layer_excluded(self.spec, prefix, self.packed_modules_mapping):
                 return UnquantizedLinearMethod()
             layer.prefix = prefix
             return Nvfp4VllmLinearMethod(self)
         if isinstance(layer, RoutedExperts):
-            if self.spec.is_excluded(prefix, self.packed_modules_mapping):
+            if is_layer_excluded(self.spec, prefix, self.packed_modules_mapping):
                 return None
             return Nvfp4VllmFusedMoEMethod(self, layer.moe_config)
         return None  # attention: vLLM's default (KV-cache quantization is not ours)

@@ -7,13 +7,14 @@ from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
 
 from ...layers import Nvfp4Linear
-from ..common import build_weight, layer_tensor_names, register_prepared, prepared_tensors, scalar_scales
+from ..common import build_weight, input_scales, layer_tensor_names, prepared_tensors, register_prepared
 
 
 class Nvfp4VllmLinearMethod(LinearMethodBase):
     def __init__(self, quant_config):
         self.quant_config = quant_config
-        self.names = layer_tensor_names(quant_config.spec.format)
+        self.fmt = quant_config.spec.format
+        self.names = layer_tensor_names(self.fmt)
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
@@ -39,12 +40,14 @@ class Nvfp4VllmLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         nm = self.names
         prefix = getattr(layer, "prefix", layer.__class__.__name__)
-        weight = build_weight(prefix, nm, getattr(layer, nm.weight).data, getattr(layer, nm.block_scale).data,
+        weight = build_weight(prefix, self.fmt, getattr(layer, nm.weight).data, getattr(layer, nm.block_scale).data,
                               getattr(layer, nm.weight_global).data, layer.logical_widths)
-        input_gs = scalar_scales(prefix, nm, getattr(layer, nm.input_global).data, encode=True, optional=True)
         # one activation scale for the fused input: the smallest encode scale (largest amax) never saturates
-        core = Nvfp4Linear(weight, None if input_gs is None else input_gs.min().reshape(1),
-                           act_dtype=layer.nvfp4_act_dtype)
+        input_gs = input_scales(prefix, self.fmt, getattr(layer, nm.input_global).data,
+                                num_shards=len(layer.logical_widths))
+        if input_gs is not None:
+            input_gs = input_gs.reshape(1).to(weight.packed.device)
+        core = Nvfp4Linear(weight, input_gs, act_dtype=layer.nvfp4_act_dtype)
         for name in (nm.weight, nm.block_scale, nm.weight_global, nm.input_global):
             delattr(layer, name)
         register_prepared(layer, core.tensors)

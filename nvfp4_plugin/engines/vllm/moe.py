@@ -13,14 +13,16 @@ from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightSc
 from vllm.model_executor.utils import set_weight_attrs
 
 from ...layers import Nvfp4FusedMoE
-from ..common import CheckpointError, build_weight, layer_tensor_names, prepared_tensors, register_prepared, scalar_scales
+from ...checkpoints.errors import problem
+from ..common import CheckpointError, build_weight, input_scales, layer_tensor_names, prepared_tensors, register_prepared
 
 
 class Nvfp4VllmFusedMoEMethod(FusedMoEMethodBase):
     def __init__(self, quant_config, moe_config):
         super().__init__(moe_config)
         self.quant_config = quant_config
-        self.names = layer_tensor_names(quant_config.spec.format)
+        self.fmt = quant_config.spec.format
+        self.names = layer_tensor_names(self.fmt)
 
     def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
@@ -61,18 +63,21 @@ class Nvfp4VllmFusedMoEMethod(FusedMoEMethodBase):
         nm = self.names
         prefix = getattr(layer, "layer_name", "experts")
         i2 = getattr(layer, f"w13_{nm.weight}").shape[1]
-        w13 = build_weight(f"{prefix}.w13", nm, getattr(layer, f"w13_{nm.weight}").data,
+        w13 = build_weight(f"{prefix}.w13", self.fmt, getattr(layer, f"w13_{nm.weight}").data,
                            getattr(layer, f"w13_{nm.block_scale}").data, getattr(layer, f"w13_{nm.weight_global}").data,
                            [i2 // 2, i2 // 2])
-        w2 = build_weight(f"{prefix}.w2", nm, getattr(layer, f"w2_{nm.weight}").data,
+        w2 = build_weight(f"{prefix}.w2", self.fmt, getattr(layer, f"w2_{nm.weight}").data,
                           getattr(layer, f"w2_{nm.block_scale}").data,
                           getattr(layer, f"w2_{nm.weight_global}").data[:, None], [w13.k])
-        a13 = scalar_scales(f"{prefix}.w13", nm, getattr(layer, f"w13_{nm.input_global}").data, optional=True)
-        a2 = scalar_scales(f"{prefix}.w2", nm, getattr(layer, f"w2_{nm.input_global}").data, optional=True)
+        a13_loaded = getattr(layer, f"w13_{nm.input_global}").data
+        # gate and up read the same input: one scale per expert (the smallest encode scale)
+        a13 = input_scales(f"{prefix}.w13", self.fmt, a13_loaded, num_shards=2 if a13_loaded.dim() == 2 else None)
+        a2 = input_scales(f"{prefix}.w2", self.fmt, getattr(layer, f"w2_{nm.input_global}").data)
         if (a13 is None) != (a2 is None):
-            raise CheckpointError(f"{prefix}: input scales present for only one of w13/w2")
-        if a13 is not None and a13.dim() == 2:
-            a13 = a13.min(dim=1).values  # gate and up read the same input: one scale, never saturating
+            raise CheckpointError(problem(None, prefix, "input scales present for only one of w13/w2 "
+                                                         f"(w13: {a13 is not None}, w2: {a2 is not None})"))
+        if a13 is not None:
+            a13, a2 = a13.to(w13.packed.device), a2.to(w13.packed.device)
         core = Nvfp4FusedMoE(w13, w2, a13, a2, act_dtype=layer.nvfp4_act_dtype)
         for part in ("w13_", "w2_"):
             for name in (nm.weight, nm.block_scale, nm.weight_global, nm.input_global):
