@@ -27,10 +27,10 @@ def dequantize(packed, block_scale, global_scale, table, dtype: torch.dtype) -> 
     return (vals.flatten(-2) / global_scale[..., None]).to(dtype)
 
 
-def fake_quant_rows(x: torch.Tensor, gs_rows: torch.Tensor) -> torch.Tensor:
+def fake_quant_rows(x: torch.Tensor, gs_rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """NVFP4 quantize + dequantize each row of ``x`` with its own encode global scale (W4A4)."""
     packed, scales = reference._nvfp4_quantize(x, gs_rows[..., None])
-    vals = nx.e2m1_decode(nx.unpack_fp4(packed)).unflatten(-1, (-1, nx.NVFP4_BLOCK_SIZE))
+    vals = table[nx.unpack_fp4(packed).long()].unflatten(-1, (-1, nx.NVFP4_BLOCK_SIZE))
     return ((vals * scales.float()[..., None]).flatten(-2) / gs_rows[..., None]).to(x.dtype)
 
 
@@ -50,7 +50,7 @@ class ReferenceLinear(Backend):
 
     def apply(self, t: dict, mode: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if mode == "w4a4":
-            x = fake_quant_rows(x, t["input_global_scale"].expand(x.shape[:-1]))
+            x = fake_quant_rows(x, t["input_global_scale"].expand(x.shape[:-1]), t["e2m1_table"])
         w = dequantize(t["w_packed"], t["w_block_scale"], t["w_global_scale"], t["e2m1_table"], x.dtype)
         return torch.nn.functional.linear(x, w, bias)
 
@@ -72,15 +72,17 @@ class ReferenceMoe(Backend):
         flat = topk_ids.reshape(-1).to(torch.int64)
         order = torch.argsort(flat, stable=True)
         token = order // top_k
-        offs = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)
+        # counts per expert without torch.bincount, which reads the max on the host (a sync)
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offs = counts.cumsum(0).to(torch.int32)
         xs = x[token]
         if mode == "w4a4":
-            xs = fake_quant_rows(xs, t["a13_global_scale"][flat[order]])
+            xs = fake_quant_rows(xs, t["a13_global_scale"][flat[order]], t["e2m1_table"])
         w13 = dequantize(t["w13_packed"], t["w13_block_scale"], t["w13_global_scale"], t["e2m1_table"], x.dtype)
         h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
         a = nx.silu_and_mul_fp32(h)
         if mode == "w4a4":
-            a = fake_quant_rows(a, t["a2_global_scale"][flat[order]])
+            a = fake_quant_rows(a, t["a2_global_scale"][flat[order]], t["e2m1_table"])
         w2 = dequantize(t["w2_packed"], t["w2_block_scale"], t["w2_global_scale"], t["e2m1_table"], x.dtype)
         y = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
         y = y.float() * topk_weights.reshape(-1)[order].float()[:, None]
