@@ -255,7 +255,7 @@ def mx_scale_exponent(amax: torch.Tensor, fmt: str, scale_recipe: str = nx.DEFAU
     if scale_recipe == "floor":
         e = nx.floor_log2_exponent(safe) - emax
     else:
-        q = safe / fmax
+        q = safe / torch.full_like(safe, fmax)  # tensor/tensor: IEEE division on CUDA as well
         e = nx.ceil_log2_exponent(torch.where(q > 0, q, torch.ones_like(q)))
         e = torch.where(q > 0, e, torch.full_like(e, -nx.E8M0_BIAS))
     e = torch.where(pos, e, torch.full_like(e, -nx.E8M0_BIAS))
@@ -333,7 +333,7 @@ def scaled_fp8_quant(input: torch.Tensor, scale: torch.Tensor | None = None):
     if scale is None:
         amax = nx.nan_ignoring_amax(input.reshape(-1), dim=0, inf_as_max=True) if input.numel() else \
             torch.zeros((), device=input.device)
-        scale = (amax / nx.E4M3_MAX).reshape(1)
+        scale = (amax / torch.full_like(amax, nx.E4M3_MAX)).reshape(1)  # tensor/tensor: IEEE on CUDA too
     else:
         scale = check_global_scale("scale", scale, input.device).reshape(1)
     return nx.e4m3_saturate(input.float() * _inverse_or_zero(scale)), scale
@@ -342,8 +342,11 @@ def scaled_fp8_quant(input: torch.Tensor, scale: torch.Tensor | None = None):
 def per_token_quant_fp8(input: torch.Tensor):
     """Per-token dynamic FP8 E4M3: ``s_row = amax_row / 448``; returns ``(q [M, K], s [M, 1])``."""
     _check_act("input", input, block=1)
-    s = nx.nan_ignoring_amax(input, dim=-1, inf_as_max=True)[:, None] / nx.E4M3_MAX if input.shape[1] else \
-        torch.zeros((input.shape[0], 1), device=input.device)
+    if input.shape[1]:
+        amax = nx.nan_ignoring_amax(input, dim=-1, inf_as_max=True)[:, None]
+        s = amax / torch.full_like(amax, nx.E4M3_MAX)  # tensor/tensor: CUDA turns t / 448.0 into t * (1/448)
+    else:
+        s = torch.zeros((input.shape[0], 1), device=input.device)
     return nx.e4m3_saturate(input.float() * _inverse_or_zero(s)), s
 
 
