@@ -167,12 +167,16 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 def fp8_saturate(x: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
-    """fp32 -> FP8 (``"e4m3"`` or ``"e5m2"``), round to nearest even, saturating at +-max, NaN kept.
+    """fp32 -> FP8 (``"e4m3"`` or ``"e5m2"``), round to nearest even, saturating at +-max; NaN -> +NaN.
 
     Same as CUDA ``__nv_cvt_float_to_fp8(x, __NV_SATFINITE, ...)``.
     """
     dtype, fmax, _ = FP8_FORMATS[fmt]
-    return x.float().clamp(-fmax, fmax).to(dtype)
+    x = x.float()
+    # NaN comes out as the canonical positive NaN (0x7F e4m3, 0x7F..0x7C e5m2 family), whatever its
+    # sign: GPU arithmetic produces canonical NaNs, so the sign of a NaN carries no information
+    x = torch.where(torch.isnan(x), torch.full_like(x, float("nan")).abs(), x)
+    return x.clamp(-fmax, fmax).to(dtype)
 
 
 def e4m3_saturate(x: torch.Tensor) -> torch.Tensor:

@@ -95,7 +95,7 @@ def test_e4m3_all_codes_roundtrip():
     (7 * 2.0 ** -9, 0x07), (2.0 ** -6, 0x08),  # largest subnormal, smallest normal
     (1.0625, 0x38),                           # tie 1 / 1.125 -> even mantissa (1.0)
     (1.1875, 0x3A),                           # tie 1.125 / 1.25 -> 1.25
-    (-0.0, 0x80)])
+    (-0.0, 0x80), (math.nan, 0x7F), (-math.nan, 0x7F)])  # NaN: canonical +NaN, whatever its sign
 def test_e4m3_rounding_cases(v, byte):
     got = nx.e4m3_saturate(torch.tensor([v])).view(torch.uint8).item()
     assert got == byte == brute_e4m3_byte(v)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One GPU-machine call that runs the named steps and packs every log and result into $OUT/session.tgz
+# (the device tool returns at most 8 files). Usage: bash benchmarks/gpu_session.sh STEP...
+#   build     build nvfp4_plugin._C for sm_90a in place (system torch)
+#   tests     every gpu-marked test (pytest -m gpu)
+#   sanitize  compute-sanitizer memcheck + racecheck over the compiled ops
+#   bench-quant / bench-triton / bench-gemm / tune-gemm / bench-quantize   the benchmark scripts
+set -uo pipefail
+cd "$(dirname "$0")/.."
+R=/tmp/session; mkdir -p "$R"
+export NVFP4_PLUGIN_CUDA_ARCHS="${NVFP4_PLUGIN_CUDA_ARCHS:-9.0a}" PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+status=0
+step() {
+  local name="$1"; shift; local t0=$SECONDS
+  echo "=== $name: $*"
+  "$@" > "$R/$name.log" 2>&1; local rc=$?
+  tail -n 25 "$R/$name.log"
+  echo "=== $name: exit $rc after $((SECONDS - t0)) s"
+  [ "$rc" -ne 0 ] && [ "$status" -eq 0 ] && status=$rc
+  return 0
+}
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$R/gpu.txt" 2>&1
+for s in "$@"; do
+  case "$s" in
+    build) step build python3 setup.py build_ext --inplace ;;
+    tests) NVFP4_PLUGIN_REQUIRE_EXT=1 step tests python3 -m pytest -q -rs -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} ;;
+    sanitize)
+      step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py
+      step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py ;;
+    bench-quant) step bench-quant python3 benchmarks/bench_quant.py --out "$R" ;;
+    bench-triton) step bench-triton python3 benchmarks/bench_triton_quant.py --out "$R/triton_quant_h200.md" ;;
+    bench-gemm) step bench-gemm python3 benchmarks/bench_gemm.py --out "$R" ;;
+    tune-gemm) step tune-gemm python3 benchmarks/tune_gemm.py --out "$R" ;;
+    bench-quantize) step bench-quantize python3 benchmarks/bench_quantize.py --out "$R/quantize_h200.md" --weight-only-too ;;
+    *) echo "unknown step $s"; status=2 ;;
+  esac
+done
+tar czf "${OUT:-/tmp}/session.tgz" -C "$R" . && ls -la "${OUT:-/tmp}/session.tgz"
+exit $status

@@ -1,0 +1,286 @@
+"""Python side of the compiled quantization kernels (``nvfp4_plugin._C``, sources in ``csrc/``).
+
+Each public function has the signature of its twin in :mod:`nvfp4_plugin.reference`: it validates
+the arguments (errors name the argument, the expected and the actual value), allocates the outputs
+and calls the torch op ``torch.ops.nvfp4_plugin.<name>``. The ops write into the outputs they are
+given (their schemas mark them mutated), so the wrappers trace under ``torch.compile`` and replay
+in CUDA graphs: no host synchronization, allocations only through torch's allocator.
+
+Shapes the kernels do not cover fall back to the reference explicitly (and log it once):
+more than 8192 experts, a per-token-group size other than 16..512 (power of two), per-token or
+SiLU rows whose byte length is not a multiple of 16. Non-contiguous or misaligned inputs are copied.
+
+Differences from the reference, by design:
+* ``silu_and_mul_scaled_fp4_experts_quant`` writes into ``output`` / ``output_scale`` when they are
+  given (the point of passing them: DeepEP buffers) and returns them; rows at or past the mask are
+  left untouched there, as in the reference's result.
+* Scale rows that no expert owns in ``scaled_fp4_experts_quant`` are zeroed by the kernel, which
+  assumes consistent offsets (``expert_offsets[0] == 0``, non-decreasing, and
+  ``blockscale_offsets[e+1] - blockscale_offsets[e] >= expert_offsets[e+1] - expert_offsets[e]``),
+  as every engine builds them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from . import _ext
+from . import numerics as nx
+from . import reference
+from ._checks import (FLOAT_ACT_DTYPES, check_choice, check_global_scale, check_multiple, check_shape,
+                      check_tensor)
+
+logger = logging.getLogger("nvfp4_plugin")
+
+#: Ops with a compiled kernel (names of the public ops / reference functions).
+CUDA_OPS = (
+    "scaled_fp4_quant",
+    "scaled_fp4_experts_quant",
+    "silu_and_mul_scaled_fp4_experts_quant",
+    "silu_and_mul",
+    "scaled_fp8_quant",
+    "per_token_quant_fp8",
+    "per_token_group_quant_fp8",
+)
+
+MAX_EXPERTS = 8192  # csrc/quant/launch.h kMaxExperts
+GROUP_SIZES = (16, 32, 64, 128, 256, 512)
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading and fake (meta) implementations
+# ------------------------------------------------------------------------------------------------
+
+_OPS = None
+
+
+def _ops():
+    """torch.ops.nvfp4_plugin after loading the extension and registering the fake implementations."""
+    global _OPS
+    if _OPS is None:
+        st = _ext.extension_status()
+        if not st.loaded:
+            raise RuntimeError(f"nvfp4_plugin._C is not loaded: {st.error}")
+        _register_fakes()
+        _OPS = torch.ops.nvfp4_plugin
+    return _OPS
+
+
+def _register_fakes() -> None:
+    # The ops only mutate their outputs: the fake implementations check nothing and return None.
+    def noop(*args, **kwargs):
+        return None
+
+    for name in ("scaled_fp4_quant", "scaled_fp4_experts_quant", "silu_and_mul_scaled_fp4_experts_quant",
+                 "silu_and_mul", "scaled_fp8_quant_static", "scaled_fp8_quant_dynamic", "per_token_quant_fp8",
+                 "per_token_group_quant_fp8"):
+        qualname = f"nvfp4_plugin::{name}"
+        try:
+            torch.library.register_fake(qualname)(noop)
+        except RuntimeError as exc:  # already registered (module reloaded)
+            if "already" not in str(exc):
+                raise
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback(op: str, why: str) -> None:
+    logger.info("nvfp4_plugin: %s: compiled kernel does not cover %s, using the reference", op, why)
+
+
+def _fallback(op: str, why: str):
+    _log_fallback(op, why)
+    return getattr(reference, op)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous and 16-byte aligned (the kernels use 16-byte vector loads)."""
+    if torch.compiler.is_compiling():  # no data pointers while tracing; compiled graphs allocate aligned
+        return t.contiguous()
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _check_act(name: str, x, ndim, block: int) -> None:
+    check_tensor(name, x, dtypes=FLOAT_ACT_DTYPES, ndim=ndim)
+    check_multiple(name, x.shape[-1], block, "last dim (K)")
+
+
+def _check_cuda(name: str, t: torch.Tensor) -> None:
+    if t.device.type != "cuda":
+        raise ValueError(f"{name}: expected a CUDA tensor for the compiled kernels, got device {t.device}")
+
+
+def _int32(name: str, t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int32).contiguous() if t.dtype != torch.int32 or not t.is_contiguous() else t
+
+
+def _row_bytes_ok(x: torch.Tensor, elems: int) -> bool:
+    return (elems * x.element_size()) % 16 == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# NVFP4
+# ------------------------------------------------------------------------------------------------
+
+def scaled_fp4_quant(input: torch.Tensor, input_global_scale: torch.Tensor, *, swizzle: bool = True,
+                     scale_format: str = "e4m3"):
+    """Compiled twin of :func:`nvfp4_plugin.reference.scaled_fp4_quant`."""
+    _check_act("input", input, 2, nx.NVFP4_BLOCK_SIZE)
+    check_choice("scale_format", scale_format, nx.NVFP4_SCALE_FORMATS)
+    _check_cuda("input", input)
+    gs = check_global_scale("input_global_scale", input_global_scale, input.device).reshape(1).contiguous()
+    x = _dense(input)
+    m, k = x.shape
+    kb = k // nx.NVFP4_BLOCK_SIZE
+    ue8m0 = scale_format == "ue8m0"
+    out = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
+    shape = nx.swizzled_scale_shape(m, kb) if swizzle else (m, kb)
+    scales = torch.empty(shape, dtype=torch.uint8 if ue8m0 else torch.float8_e4m3fn, device=x.device)
+    _ops().scaled_fp4_quant(x, gs, out, scales, swizzle, ue8m0)
+    return out, scales
+
+
+def scaled_fp4_experts_quant(input: torch.Tensor, input_global_scale: torch.Tensor, expert_offsets: torch.Tensor,
+                             blockscale_offsets: torch.Tensor):
+    """Compiled twin of :func:`nvfp4_plugin.reference.scaled_fp4_experts_quant`."""
+    _check_act("input", input, 2, nx.NVFP4_BLOCK_SIZE)
+    _check_cuda("input", input)
+    m, k = input.shape
+    check_tensor("expert_offsets", expert_offsets, dtypes=(torch.int32, torch.int64), ndim=1, device=input.device)
+    e = expert_offsets.shape[0] - 1
+    if e < 1:
+        raise ValueError(f"expert_offsets: expected shape (E+1,) with E >= 1, got {tuple(expert_offsets.shape)}")
+    check_tensor("blockscale_offsets", blockscale_offsets, dtypes=(torch.int32, torch.int64), device=input.device)
+    check_shape("blockscale_offsets", blockscale_offsets, (e + 1,))
+    gs = check_global_scale("input_global_scale", input_global_scale, input.device, count=e).contiguous()
+    if e > MAX_EXPERTS:
+        return _fallback("scaled_fp4_experts_quant", f"E = {e} > {MAX_EXPERTS}")(
+            input, input_global_scale, expert_offsets, blockscale_offsets)
+    x = _dense(input)
+    kb = k // nx.NVFP4_BLOCK_SIZE
+    out = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((nx.max_blockscale_rows(m, e), nx.round_up(kb, 4)), dtype=torch.float8_e4m3fn,
+                         device=x.device)
+    _ops().scaled_fp4_experts_quant(x, gs, _int32("expert_offsets", expert_offsets),
+                                    _int32("blockscale_offsets", blockscale_offsets), out, scales)
+    return out, scales
+
+
+def silu_and_mul_scaled_fp4_experts_quant(input: torch.Tensor, input_global_scale: torch.Tensor, mask: torch.Tensor,
+                                          *, use_silu_and_mul: bool = True, output: torch.Tensor | None = None,
+                                          output_scale: torch.Tensor | None = None):
+    """Compiled twin of :func:`nvfp4_plugin.reference.silu_and_mul_scaled_fp4_experts_quant` (writes into
+    ``output`` / ``output_scale`` when given)."""
+    check_tensor("input", input, dtypes=FLOAT_ACT_DTYPES, ndim=3)
+    _check_cuda("input", input)
+    e, max_m, width = input.shape
+    k = width // 2 if use_silu_and_mul else width
+    if use_silu_and_mul:
+        check_multiple("input", width, 2 * nx.NVFP4_BLOCK_SIZE, "last dim (2*I)")
+    else:
+        check_multiple("input", width, nx.NVFP4_BLOCK_SIZE, "last dim (K)")
+    check_tensor("mask", mask, dtypes=(torch.int32, torch.int64), device=input.device)
+    check_shape("mask", mask, (e,))
+    gs = check_global_scale("input_global_scale", input_global_scale, input.device, count=e).contiguous()
+    kb = k // nx.NVFP4_BLOCK_SIZE
+    sw_shape = (e, *nx.swizzled_scale_shape(max_m, kb))
+    for name, t, shape, dtype in (("output", output, (e, max_m, k // 2), torch.uint8),
+                                  ("output_scale", output_scale, sw_shape, torch.float8_e4m3fn)):
+        if t is not None:
+            check_tensor(name, t, dtypes=(dtype,), device=input.device)
+            check_shape(name, t, shape)
+            if not t.is_contiguous():
+                raise ValueError(f"{name}: expected a contiguous tensor (written in place), got strides {t.stride()}")
+    if e > MAX_EXPERTS:
+        return _fallback("silu_and_mul_scaled_fp4_experts_quant", f"E = {e} > {MAX_EXPERTS}")(
+            input, input_global_scale, mask, use_silu_and_mul=use_silu_and_mul, output=output,
+            output_scale=output_scale)
+    x = _dense(input)
+    zero_fill = output is None and output_scale is None
+    if output is None:
+        output = torch.empty if zero_fill else torch.zeros
+        output = output((e, max_m, k // 2), dtype=torch.uint8, device=x.device)
+    if output_scale is None:
+        output_scale = (torch.empty if zero_fill else torch.zeros)(sw_shape, dtype=torch.float8_e4m3fn,
+                                                                    device=x.device)
+    _ops().silu_and_mul_scaled_fp4_experts_quant(x, gs, _int32("mask", mask), use_silu_and_mul, zero_fill, output,
+                                                 output_scale)
+    return output, output_scale
+
+
+def silu_and_mul(input: torch.Tensor) -> torch.Tensor:
+    """Compiled twin of :func:`nvfp4_plugin.reference.silu_and_mul`."""
+    check_tensor("input", input, dtypes=FLOAT_ACT_DTYPES, min_ndim=1)
+    check_multiple("input", input.shape[-1], 2, "last dim (2*I)")
+    _check_cuda("input", input)
+    inner = input.shape[-1] // 2
+    if not _row_bytes_ok(input, inner):
+        return _fallback("silu_and_mul", f"I = {inner} (rows of 16-byte chunks)")(input)
+    x = _dense(input)
+    out = torch.empty((*x.shape[:-1], inner), dtype=x.dtype, device=x.device)
+    _ops().silu_and_mul(x, out)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8 E4M3
+# ------------------------------------------------------------------------------------------------
+
+def scaled_fp8_quant(input: torch.Tensor, scale: torch.Tensor | None = None):
+    """Compiled twin of :func:`nvfp4_plugin.reference.scaled_fp8_quant`."""
+    _check_act("input", input, 2, 1)
+    _check_cuda("input", input)
+    x = _dense(input)
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    if scale is None:
+        scale = torch.empty((1,), dtype=torch.float32, device=x.device)
+        _ops().scaled_fp8_quant_dynamic(x, out, scale)
+        return out, scale
+    scale = check_global_scale("scale", scale, input.device).reshape(1)
+    _ops().scaled_fp8_quant_static(x, scale.contiguous(), out)
+    return out, scale
+
+
+def per_token_quant_fp8(input: torch.Tensor):
+    """Compiled twin of :func:`nvfp4_plugin.reference.per_token_quant_fp8`."""
+    _check_act("input", input, 2, 1)
+    _check_cuda("input", input)
+    m, k = input.shape
+    if not _row_bytes_ok(input, k):
+        return _fallback("per_token_quant_fp8", f"K = {k} (rows of 16-byte chunks)")(input)
+    x = _dense(input)
+    out = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    _ops().per_token_quant_fp8(x, out, scale)
+    return out, scale
+
+
+def per_token_group_quant_fp8(input: torch.Tensor, group_size: int = nx.FP8_GROUP_SIZE, *,
+                              column_major_scales: bool = False, scale_ue8m0: bool = False,
+                              eps: float = nx.FP8_GROUP_EPS):
+    """Compiled twin of :func:`nvfp4_plugin.reference.per_token_group_quant_fp8`."""
+    _check_act("input", input, 2, group_size)
+    if scale_ue8m0 and not column_major_scales:
+        raise ValueError("scale_ue8m0=True needs column_major_scales=True (the packed DeepGEMM layout)")
+    _check_cuda("input", input)
+    if group_size not in GROUP_SIZES:
+        return _fallback("per_token_group_quant_fp8", f"group_size = {group_size}")(
+            input, group_size, column_major_scales=column_major_scales, scale_ue8m0=scale_ue8m0, eps=eps)
+    x = _dense(input)
+    m, k = x.shape
+    out = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    rows, cols = reference.fp8_group_scale_shape(m, k, group_size, scale_ue8m0=scale_ue8m0)
+    dtype = torch.int32 if scale_ue8m0 else torch.float32
+    if column_major_scales:  # DeepGEMM layout: column-major storage, M padded to 4 (the kernel fills the padding)
+        scales = torch.empty((cols, nx.round_up(rows, 4)), dtype=dtype, device=x.device).t()[:rows]
+    else:
+        scales = torch.empty((rows, cols), dtype=dtype, device=x.device)
+    _ops().per_token_group_quant_fp8(x, out, scales, group_size, float(eps), column_major_scales, scale_ue8m0)
+    return out, scales
+
+
+__all__ = list(CUDA_OPS)

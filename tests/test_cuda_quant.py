@@ -1,0 +1,371 @@
+"""GPU tests of the compiled quantization kernels (nvfp4_plugin._C): byte-identical to the reference.
+
+Run on the GPU machine after building the extension in place (see benchmarks/gpu_build.sh):
+    NVFP4_PLUGIN_REQUIRE_EXT=1 python3 -m pytest -q -m gpu tests/test_cuda_quant.py
+Without a built extension these tests skip (or fail with NVFP4_PLUGIN_REQUIRE_EXT=1).
+
+References: the NVFP4 ops and SiLU are compared with the reference on the same GPU. The FP8
+per-tensor-dynamic and per-token references are run on the CPU: on CUDA, torch computes
+``tensor / 448.0`` as ``tensor * fp32(1/448)`` (a CPU-scalar optimization), which is not the IEEE
+division of the sgl-kernel recipe; on the CPU it is. Per-token-group is compared with the recipe
+of the numerics docstring (``448 / a`` an IEEE division), see fp8_group_recipe.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from nvfp4_plugin import _ext
+from nvfp4_plugin import numerics as nx
+from nvfp4_plugin import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+M_SIZES = (0, 1, 7, 128, 1000, 4099)
+K_SIZES = (16, 48, 64, 2048, 7168)
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+@pytest.fixture(scope="module")
+def cuda_ops():
+    dev = torch.device("cuda")
+    why = _ext.extension_runs_on(dev)
+    if why is not None:
+        if os.environ.get("NVFP4_PLUGIN_REQUIRE_EXT"):
+            pytest.fail(f"nvfp4_plugin._C does not run here: {why}")
+        pytest.skip(f"nvfp4_plugin._C does not run here: {why}")
+    from nvfp4_plugin import _cuda_ops
+
+    return _cuda_ops
+
+
+def activations(m: int, k: int, dtype, seed: int, device="cuda", specials: bool = True) -> torch.Tensor:
+    """Random activations with outlier rows and (optionally) NaN, +-inf, signed zeros, huge and tiny values."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.exp(torch.randn(m, 1, generator=g) * 2)
+    if specials and x.numel():
+        flat = x.view(-1)
+        n = flat.numel()
+        idx = torch.randperm(n, generator=g)
+        cuts = [n // 97, n // 89, n // 83, n // 61, n // 59, n // 53, n // 47]
+        flat[idx[:cuts[0]]] = math.nan
+        flat[idx[cuts[0]:cuts[1]]] = math.inf
+        flat[idx[cuts[1]:cuts[2]]] = -math.inf
+        flat[idx[cuts[2]:cuts[3]]] = 0.0
+        flat[idx[cuts[3]:cuts[4]]] = -0.0
+        flat[idx[cuts[4]:cuts[5]]] *= 1e30
+        flat[idx[cuts[5]:cuts[6]]] *= 1e-30
+        if m > 1:
+            x[m // 2] = 0.0
+        x[0, : min(16, k)] = math.nan
+    return x.to(dtype).to(device)
+
+
+def assert_same_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    a = got.detach().contiguous().view(torch.uint8).cpu()
+    b = want.detach().contiguous().view(torch.uint8).cpu()
+    bad = (a != b).nonzero()
+    assert bad.numel() == 0, f"{what}: {bad.shape[0]} bytes differ, first at {bad[0].tolist()}: {a[tuple(bad[0])]} != " \
+                             f"{b[tuple(bad[0])]}"
+
+
+def assert_same_values_nan_aware(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan), f"{what}: NaN positions differ"
+    assert_same_bytes(got[~nan], want[~nan], what)
+
+
+# ------------------------------------------------------------------------------------------------
+# NVFP4
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("swizzle,scale_format", [(True, "e4m3"), (False, "e4m3"), (True, "ue8m0"), (False, "ue8m0")])
+def test_scaled_fp4_quant_fuzz(cuda_ops, dtype, swizzle, scale_format):
+    for i, m in enumerate(M_SIZES):
+        for j, k in enumerate(K_SIZES):
+            x = activations(m, k, dtype, seed=100 * i + j)
+            gs = nx.tensor_global_scale(x).reshape(1)
+            q, s = cuda_ops.scaled_fp4_quant(x, gs, swizzle=swizzle, scale_format=scale_format)
+            q_ref, s_ref = ref.scaled_fp4_quant(x, gs, swizzle=swizzle, scale_format=scale_format)
+            what = f"scaled_fp4_quant m={m} k={k} {dtype} swizzle={swizzle} {scale_format}"
+            assert_same_bytes(q, q_ref, what + " codes")
+            assert_same_bytes(s, s_ref, what + " scales")
+
+
+@pytest.mark.parametrize("gs", [1.0, 0.0, -2.0, 1e-30, 1e30, math.inf, 2.0**-140, math.nan])
+@pytest.mark.parametrize("scale_format", ["e4m3", "ue8m0"])
+def test_scaled_fp4_quant_degenerate_global_scales(cuda_ops, gs, scale_format):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = activations(37, 96, dtype, seed=7)
+        g = torch.tensor([gs], device="cuda")
+        q, s = cuda_ops.scaled_fp4_quant(x, g, scale_format=scale_format)
+        q_ref, s_ref = ref.scaled_fp4_quant(x, g, scale_format=scale_format)
+        assert_same_bytes(q, q_ref, f"codes gs={gs} {dtype} {scale_format}")
+        assert_same_bytes(s, s_ref, f"scales gs={gs} {dtype} {scale_format}")
+
+
+def test_scaled_fp4_quant_fp32_and_noncontiguous(cuda_ops):
+    x = activations(300, 2048 + 64, torch.float32, seed=3)
+    gs = nx.tensor_global_scale(x).reshape(1)
+    for inp in (x, x[:, 64:], x[1:]):  # fp32, a strided view, a 16-byte-misaligned view
+        q, s = cuda_ops.scaled_fp4_quant(inp, gs)
+        q_ref, s_ref = ref.scaled_fp4_quant(inp, gs)
+        assert_same_bytes(q, q_ref, "codes")
+        assert_same_bytes(s, s_ref, "scales")
+
+
+def routing(m: int, e: int, seed: int, tail: int = 0):
+    """expert_offsets for m rows over e experts (some empty) plus `tail` rows owned by no expert."""
+    g = torch.Generator().manual_seed(seed)
+    rows = m - tail
+    weights = torch.rand(e, generator=g) * (torch.rand(e, generator=g) > 0.3)
+    if weights.sum() == 0:
+        weights[0] = 1.0
+    counts = torch.zeros(e, dtype=torch.int64)
+    if rows > 0:
+        counts = torch.bincount(torch.multinomial(weights, rows, replacement=True, generator=g), minlength=e)
+    eo = torch.zeros(e + 1, dtype=torch.int64)
+    eo[1:] = torch.cumsum(counts, 0)
+    return eo.to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scaled_fp4_experts_quant_fuzz(cuda_ops, dtype):
+    case = 0
+    for e in (1, 3, 8, 64, 256):
+        for m in M_SIZES:
+            for k in (16, 48, 2048, 7168):
+                if m * k > 1000 * 7168 and e < 64:
+                    continue
+                case += 1
+                tail = 3 if m > 7 and case % 3 == 0 else 0
+                eo = routing(m, e, seed=case, tail=tail).cuda()
+                bo = nx.blockscale_offsets_from_expert_offsets(eo)
+                if case % 2:
+                    eo, bo = eo.long(), bo.long()
+                x = activations(m, k, dtype, seed=case, specials=case % 4 != 0)
+                gs = (torch.rand(e, device="cuda") * 500 + 1e-3)
+                q, s = cuda_ops.scaled_fp4_experts_quant(x, gs, eo, bo)
+                q_ref, s_ref = ref.scaled_fp4_experts_quant(x, gs, eo, bo)
+                what = f"experts e={e} m={m} k={k} {dtype}"
+                assert_same_bytes(q, q_ref, what + " codes")
+                assert_same_bytes(s, s_ref, what + " scales")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("use_silu_and_mul", [True, False])
+@pytest.mark.parametrize("given_outputs", [False, True])
+def test_masked_quant_fuzz(cuda_ops, dtype, use_silu_and_mul, given_outputs):
+    case = 0
+    for e, max_m, k in ((1, 1, 16), (3, 7, 48), (8, 128, 2048), (64, 33, 64), (4, 1000, 256), (8, 130, 7168),
+                        (256, 5, 128)):
+        for mask_kind in ("zero", "partial", "full"):
+            case += 1
+            g = torch.Generator().manual_seed(case)
+            if mask_kind == "zero":
+                mask = torch.zeros(e, dtype=torch.int32)
+            elif mask_kind == "full":
+                mask = torch.full((e,), max_m, dtype=torch.int32)
+                mask[0] = max_m + 5  # values above max_m act as max_m
+            else:
+                mask = torch.randint(0, max_m + 1, (e,), generator=g, dtype=torch.int32)
+            mask = mask.cuda() if case % 2 else mask.long().cuda()
+            width = 2 * k if use_silu_and_mul else k
+            x = activations(e * max_m, width, dtype, seed=case).reshape(e, max_m, width)
+            gs = torch.rand(e, device="cuda") * 100 + 1e-2
+            kb = k // 16
+            sw = (e, *nx.swizzled_scale_shape(max_m, kb))
+            kw = {}
+            if given_outputs:
+                out0 = torch.randint(0, 256, (e, max_m, k // 2), dtype=torch.uint8, device="cuda")
+                sf0 = torch.randint(0, 256, sw, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+                kw_ref = dict(output=out0.clone(), output_scale=sf0.clone())
+                kw = dict(output=out0, output_scale=sf0)
+            else:
+                kw_ref = {}
+            q, s = cuda_ops.silu_and_mul_scaled_fp4_experts_quant(x, gs, mask, use_silu_and_mul=use_silu_and_mul, **kw)
+            q_ref, s_ref = ref.silu_and_mul_scaled_fp4_experts_quant(x, gs, mask, use_silu_and_mul=use_silu_and_mul,
+                                                                       **kw_ref)
+            what = f"masked e={e} max_m={max_m} k={k} {mask_kind} {dtype} silu={use_silu_and_mul}"
+            assert_same_bytes(q, q_ref, what + " codes")
+            assert_same_bytes(s, s_ref, what + " scales")
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
+def test_silu_and_mul(cuda_ops, dtype):
+    for rows, inner in ((1, 8), (7, 64), (300, 2048), (4099, 7168 // 2)):
+        x = activations(rows, 2 * inner, dtype, seed=rows)
+        assert_same_values_nan_aware(cuda_ops.silu_and_mul(x), ref.silu_and_mul(x), f"silu {rows}x{inner} {dtype}")
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8
+# ------------------------------------------------------------------------------------------------
+
+def fp8_group_recipe(x: torch.Tensor, group: int, *, column_major_scales: bool, scale_ue8m0: bool,
+                     eps: float = nx.FP8_GROUP_EPS):
+    """numerics docstring recipe (sgl-kernel): mult = 448 / a as an IEEE division (torch's
+    ``448.0 / tensor`` is reciprocal(tensor) * 448), scales laid out like the reference."""
+    m, k = x.shape
+    grp = x.reshape(m, k // group, group).float()
+    a = nx.nan_ignoring_amax(grp, dim=-1, inf_as_max=True).clamp(min=eps)
+    if scale_ue8m0:
+        e = nx.ceil_log2_exponent(a * nx._ONE_OVER_448_F32)
+        mult, stored = nx.exp2_int(-e), (e + nx.E8M0_BIAS).to(torch.uint8)
+    else:
+        mult, stored = torch.full_like(a, nx.E4M3_MAX) / a, a * nx._ONE_OVER_448_F32
+    q = nx.e4m3_saturate(grp * mult[..., None]).reshape(m, k)
+    out_s = ref.alloc_fp8_group_scales(m, k, group, column_major=column_major_scales, scale_ue8m0=scale_ue8m0,
+                                       device=x.device)
+    if scale_ue8m0:
+        padded = torch.zeros((m, out_s.shape[1] * 4), dtype=torch.uint8, device=x.device)
+        padded[:, :stored.shape[1]] = stored
+        out_s.copy_(padded.view(torch.int32))
+    else:
+        out_s.copy_(stored)
+    return q, out_s
+
+
+def fp8_inputs(m, k, dtype, seed):
+    x = activations(m, k, dtype, seed)
+    # the CPU reference keeps a NaN's sign through casts, CUDA does not: use positive NaNs only
+    return torch.where(torch.isnan(x), torch.full_like(x, math.nan), x)
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
+@pytest.mark.parametrize("layout", ["row", "col", "col_ue8m0"])
+def test_per_token_group_quant_fp8_fuzz(cuda_ops, dtype, layout):
+    cm, ue = layout != "row", layout == "col_ue8m0"
+    for i, m in enumerate(M_SIZES):
+        for group, k in ((128, 128), (128, 2048), (128, 7168), (64, 192), (16, 48), (256, 1024), (128, 640)):
+            x = fp8_inputs(m, k, dtype, seed=10 * i + k)
+            q, s = cuda_ops.per_token_group_quant_fp8(x, group, column_major_scales=cm, scale_ue8m0=ue)
+            q_want, s_want = fp8_group_recipe(x.cpu(), group, column_major_scales=cm, scale_ue8m0=ue)
+            what = f"group m={m} k={k} g={group} {dtype} {layout}"
+            assert s.shape == s_want.shape and s.stride() == s_want.stride(), what
+            assert_same_bytes(q, q_want, what + " q")
+            assert_same_bytes(s.contiguous(), s_want.contiguous(), what + " scales")
+            _, s_ref = ref.per_token_group_quant_fp8(x, group, column_major_scales=cm, scale_ue8m0=ue)
+            assert_same_bytes(s.contiguous(), s_ref.contiguous(), what + " scales vs reference")
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
+def test_per_token_quant_fp8_fuzz(cuda_ops, dtype):
+    for i, m in enumerate(M_SIZES):
+        for k in (8, 16, 64, 2048, 7168, 70000):
+            if m * k > 4099 * 7168:
+                continue
+            x = fp8_inputs(m, k, dtype, seed=i * 31 + k)
+            q, s = cuda_ops.per_token_quant_fp8(x)
+            q_ref, s_ref = ref.per_token_quant_fp8(x.cpu())
+            assert_same_bytes(q, q_ref, f"per-token m={m} k={k} {dtype} q")
+            assert_same_bytes(s, s_ref, f"per-token m={m} k={k} {dtype} s")
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
+def test_scaled_fp8_quant(cuda_ops, dtype):
+    for m, k in ((1, 16), (7, 48), (128, 2048), (1000, 7168), (3, 5), (4099, 2048)):
+        x = fp8_inputs(m, k, dtype, seed=m + k)
+        q, s = cuda_ops.scaled_fp8_quant(x)
+        q_ref, s_ref = ref.scaled_fp8_quant(x.cpu())
+        assert_same_bytes(q, q_ref, f"dynamic m={m} k={k} {dtype} q")
+        assert_same_bytes(s, s_ref, f"dynamic m={m} k={k} {dtype} s")
+        for sv in (0.37, 0.0, 1e-20):
+            st = torch.tensor([sv], device="cuda")
+            q, s = cuda_ops.scaled_fp8_quant(x, st)
+            q_ref, s_ref = ref.scaled_fp8_quant(x.cpu(), st.cpu())
+            assert_same_bytes(q, q_ref, f"static {sv} m={m} k={k} {dtype}")
+            assert s.data_ptr() == st.data_ptr()
+
+
+# ------------------------------------------------------------------------------------------------
+# Dispatch, errors, CUDA graphs, torch.compile
+# ------------------------------------------------------------------------------------------------
+
+def test_public_ops_pick_the_cuda_backend(cuda_ops):
+    from nvfp4_plugin.ops import _registry
+
+    for op in cuda_ops.CUDA_OPS:
+        backend, skipped = _registry.select(op, torch.device("cuda"))
+        assert backend.name == "cuda", (op, skipped)
+
+
+def test_errors_name_the_argument(cuda_ops):
+    x = torch.randn(4, 32, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="input"):
+        cuda_ops.scaled_fp4_quant(x[:, :24], torch.ones(1, device="cuda"))
+    with pytest.raises(ValueError, match="expert_offsets"):
+        cuda_ops.scaled_fp4_experts_quant(x, torch.ones(3, device="cuda"), torch.zeros(1, dtype=torch.int32,
+                                                                                          device="cuda"),
+                                          torch.zeros(1, dtype=torch.int32, device="cuda"))
+    with pytest.raises(ValueError, match="mask"):
+        cuda_ops.silu_and_mul_scaled_fp4_experts_quant(x.reshape(2, 2, 32), torch.ones(2, device="cuda"),
+                                                       torch.zeros(3, dtype=torch.int32, device="cuda"))
+    with pytest.raises(TypeError, match="input_global_scale"):
+        cuda_ops.scaled_fp4_quant(x, torch.ones(1, device="cuda", dtype=torch.float16))
+
+
+def graph_cases(cuda_ops):
+    x = activations(256, 2048, torch.bfloat16, seed=5, specials=False)
+    gs = nx.tensor_global_scale(x).reshape(1)
+    eo = routing(256, 8, seed=5).cuda()
+    bo = nx.blockscale_offsets_from_expert_offsets(eo)
+    xm = activations(8 * 64, 512, torch.bfloat16, seed=6, specials=False).reshape(8, 64, 512)
+    mask = torch.randint(0, 65, (8,), dtype=torch.int32, device="cuda")
+    gse = torch.rand(8, device="cuda") + 0.5
+    return {
+        "scaled_fp4_quant": lambda: cuda_ops.scaled_fp4_quant(x, gs),
+        "scaled_fp4_experts_quant": lambda: cuda_ops.scaled_fp4_experts_quant(x, gse, eo, bo),
+        "silu_and_mul_scaled_fp4_experts_quant": lambda: cuda_ops.silu_and_mul_scaled_fp4_experts_quant(xm, gse, mask),
+        "silu_and_mul": lambda: (cuda_ops.silu_and_mul(x),),
+        "scaled_fp8_quant": lambda: cuda_ops.scaled_fp8_quant(x),
+        "scaled_fp8_quant_large": lambda: cuda_ops.scaled_fp8_quant(torch.cat([x] * 40)),
+        "per_token_quant_fp8": lambda: cuda_ops.per_token_quant_fp8(x),
+        "per_token_group_quant_fp8": lambda: cuda_ops.per_token_group_quant_fp8(x, column_major_scales=True,
+                                                                                  scale_ue8m0=True),
+    }
+
+
+def test_cuda_graph_capture_and_replay(cuda_ops):
+    for name, fn in graph_cases(cuda_ops).items():
+        eager = [t.clone() for t in fn()]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # warm-up (lazy loading, occupancy queries) outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = fn()
+        for t in outs:
+            t.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (a, b) in enumerate(zip(outs, eager)):
+            assert_same_bytes(a, b, f"{name} output {i} after graph replay")
+
+
+def test_torch_compile_traces_the_ops(cuda_ops):
+    """The ops have fake implementations: the wrappers trace into one graph (auto-functionalized)."""
+    x = activations(64, 256, torch.bfloat16, seed=9, specials=False)
+    gs = nx.tensor_global_scale(x).reshape(1)
+    xm = activations(4 * 16, 128, torch.bfloat16, seed=10, specials=False).reshape(4, 16, 128)
+    mask = torch.tensor([0, 3, 16, 9], dtype=torch.int32, device="cuda")
+
+    def f(x, gs, xm, mask):
+        q, s = cuda_ops.scaled_fp4_quant(x, gs)
+        q8, s8 = cuda_ops.per_token_group_quant_fp8(x)
+        qm, sm = cuda_ops.silu_and_mul_scaled_fp4_experts_quant(xm, gs.expand(4).contiguous(), mask)
+        return q, s, q8, s8, qm, sm
+
+    eager = f(x, gs, xm, mask)
+    compiled = torch.compile(f, fullgraph=True)
+    for a, b in zip(compiled(x, gs, xm, mask), eager):
+        assert_same_bytes(a, b, "torch.compile")
