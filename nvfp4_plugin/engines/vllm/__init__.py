@@ -19,9 +19,11 @@ def register() -> None:
     from vllm.model_executor.layers.linear import register_weight_loader_v2_supported_method
     from vllm.model_executor.layers.quantization import register_quantization_config
 
+    from ..._logging import configure_for_engine
     from .config import Nvfp4VllmConfig
     from .linear import Nvfp4VllmLinearMethod
 
+    configure_for_engine()
     register_quantization_config("nvfp4")(Nvfp4VllmConfig)
     register_weight_loader_v2_supported_method(Nvfp4VllmLinearMethod)
     _REGISTERED = True

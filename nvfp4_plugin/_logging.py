@@ -1,0 +1,25 @@
+"""Logging set-up for engine processes: our records go to stderr beside the engine's own.
+
+Library code only logs to ``logging.getLogger("nvfp4_plugin")``; the engine adapters call
+:func:`configure_for_engine` at registration so that a served model's log names the method and the
+backend chosen. ``NVFP4_PLUGIN_LOG_LEVEL`` (default ``INFO``) sets the level.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+ENV_LOG_LEVEL = "NVFP4_PLUGIN_LOG_LEVEL"
+
+
+def configure_for_engine() -> None:
+    logger = logging.getLogger("nvfp4_plugin")
+    if any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(os.environ.get(ENV_LOG_LEVEL, "INFO").upper())
+    logger.propagate = False
