@@ -35,7 +35,7 @@ def check_shape(name: str, t: torch.Tensor, expected: tuple) -> None:
     """``expected`` may contain None for "any size" in that dim."""
     ok = t.dim() == len(expected) and all(e is None or e == s for e, s in zip(expected, t.shape))
     if not ok:
-        shown = tuple("*" if e is None else e for e in expected)
+        shown = "(" + ", ".join("*" if e is None else str(e) for e in expected) + ("," if len(expected) == 1 else "") + ")"
         raise ValueError(f"{name}: expected shape {shown}, got {tuple(t.shape)}")
 
 

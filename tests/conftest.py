@@ -3,6 +3,11 @@ import os
 import pytest
 import torch
 
+# Triton reads TRITON_INTERPRET when jit functions are defined (its own library included), so the
+# CPU interpreter must be chosen before anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def _has_blackwell() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10

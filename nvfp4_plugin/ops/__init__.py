@@ -31,6 +31,7 @@ PUBLIC_OPS = (
     "scaled_fp8_quant",
     "per_token_quant_fp8",
     "per_token_group_quant_fp8",
+    "stage_deepseek_v4_mega_moe_inputs",
 )
 
 for _op in PUBLIC_OPS:

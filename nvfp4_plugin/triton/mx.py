@@ -1,0 +1,175 @@
+"""MX formats in Triton (OCP MX v1.0, blocks of 32, E8M0 scales): MXFP4 (E2M1) and MXFP8 (E4M3/E5M2).
+
+``mxfp4_forward`` / ``mxfp8_forward`` fake-quantize (same dtype out); ``mxfp4_quantize`` returns
+packed E2M1 bytes + E8M0 bytes, ``mxfp8_quantize`` FP8 elements + E8M0 bytes. Scale recipes
+``"floor"`` (OCP, default) and ``"rceil"``; deterministic rounding is byte-identical to
+:mod:`nvfp4_plugin.reference`, stochastic rounding picks one of the two grid neighbours, unbiased,
+from a Philox stream keyed by ``seed`` (scales stay deterministic).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import numerics as nx
+from .. import reference as ref
+from .._checks import check_choice
+from . import _jit_numerics as jn
+from . import _runtime as rt
+
+# format -> (FMT id, element max, emax, mantissa bits, exponent bias, smallest normal exponent field)
+_FORMATS = {
+    "e2m1": (0, nx.E2M1_MAX, nx.E2M1_EMAX, 1, 1, 127),
+    "e4m3": (1, nx.E4M3_MAX, nx.E4M3_EMAX, 3, 7, 121),
+    "e5m2": (2, nx.E5M2_MAX, nx.E5M2_EMAX, 2, 15, 113),
+}
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _mx_kernel(x_ptr, out_ptr, scale_ptr, M, K, stride_xm, stride_om, stride_sm, seed,
+               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+               FMT: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+               EMIN_FIELD: tl.constexpr, RCEIL: tl.constexpr, FAKE: tl.constexpr, STOCHASTIC: tl.constexpr,
+               N_ROUNDS: tl.constexpr, HW_FP8: tl.constexpr, COMPILED: tl.constexpr):
+    NB: tl.constexpr = BLOCK_K // 32
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < K)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = jn.load_f32(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask)
+    xb = tl.reshape(x, [BLOCK_M, NB, 32])
+
+    amax = tl.minimum(jn.block_amax(xb, COMPILED), jn.FLT_MAX)  # NaN ignored, Inf counts as FLT_MAX
+    e = jn.mx_exponent(amax, FMAX, EMAX, RCEIL)
+    v = xb * jn.exp2i(-e)[:, :, None]  # exact; NaN exactly where x is NaN
+    if STOCHASTIC:
+        u = tl.reshape(jn.uniform_tile(seed, rows, pid_k * BLOCK_K, K, BLOCK_K, N_ROUNDS), [BLOCK_M, NB, 32])
+    else:
+        u = 0.0
+
+    if FMT == 0:  # E2M1 has no NaN: code 0 (+0)
+        if FAKE:
+            a, sbit = jn.e2m1_magnitude(v, COMPILED)
+            if STOCHASTIC:
+                r = jn.grid_round_stochastic(a, u, MBITS, EMIN_FIELD, COMPILED)
+            else:
+                r = jn.grid_round(a, MBITS, EMIN_FIELD)
+            y = jn.bits_f32(jn.f32_bits(r) | sbit) * jn.exp2i(e)[:, :, None]
+        else:
+            nib = tl.reshape(jn.e2m1_nibbles(v, u, STOCHASTIC, COMPILED), [BLOCK_M, BLOCK_K])
+            jn.store_packed(out_ptr, jn.pack_nibbles(nib, BLOCK_M, BLOCK_K), rows64, row_ok, pid_k, K, stride_om, 1,
+                            BLOCK_K)
+    else:
+        nan = v != v
+        vsign = jn.f32_bits(v) & 0x80000000
+        a = tl.minimum(tl.abs(v), FMAX)  # NaN lanes are overwritten below
+        if STOCHASTIC:
+            r = jn.grid_round_stochastic(a, u, MBITS, EMIN_FIELD, COMPILED)
+        elif HW_FP8:
+            r = a  # rounded by the hardware conversion below
+        else:
+            r = jn.grid_round(a, MBITS, EMIN_FIELD)
+        signed_r = jn.bits_f32(jn.f32_bits(r) | vsign)
+        if HW_FP8:
+            if FMT == 1:
+                q = signed_r.to(tl.float8e4nv)
+            else:
+                q = signed_r.to(tl.float8e5)
+            qbyte = q.to(tl.uint8, bitcast=True).to(tl.uint32)
+            qval = q.to(tl.float32)
+        else:
+            qbyte = jn.fp8_byte_of_grid(r, MBITS, BIAS) | (vsign >> 24)
+            qval = signed_r
+        if FAKE:
+            y = tl.where(nan, v, qval) * jn.exp2i(e)[:, :, None]
+        else:
+            qbyte = tl.where(nan, 0x7F | (vsign >> 24), qbyte)  # NaN stays NaN, sign kept (as torch's cast)
+            q8 = tl.reshape(qbyte, [BLOCK_M, BLOCK_K]).to(tl.uint8)
+            tl.store(out_ptr + rows64[:, None] * stride_om + cols[None, :], q8, mask=mask)
+
+    if FAKE:
+        jn.store_f32(out_ptr + rows64[:, None] * stride_om + cols[None, :], tl.reshape(y, [BLOCK_M, BLOCK_K]), mask)
+    else:
+        kb = pid_k * NB + tl.arange(0, NB)
+        sptrs = scale_ptr + rows64[:, None] * stride_sm + kb[None, :]
+        sbyte = (e + 127).to(tl.uint8)
+        tl.store(sptrs, sbyte, mask=row_ok[:, None] & (kb < K // 32)[None, :])
+
+
+def _run(x: torch.Tensor, fmt: str, *, fake: bool, scale_recipe: str, stochastic_rounding: bool, seed):
+    ref._check_act("x", x, ndim=None, block=nx.MX_BLOCK_SIZE)
+    check_choice("format", fmt, nx.MX_ELEMENT_FORMATS)
+    check_choice("scale_recipe", scale_recipe, nx.MX_SCALE_RECIPES)
+    rt.check_device("x", x)
+    seed = rt.resolve_seed(seed) if stochastic_rounding else 0
+    x2 = rt.rows_view(x)
+    m, k = x2.shape
+    lead = tuple(x.shape[:-1])
+    if fake:
+        out = torch.empty((m, k), dtype=x.dtype, device=x.device)
+        scales = None
+    else:
+        out_dtype = torch.uint8 if fmt == "e2m1" else nx.FP8_FORMATS[fmt][0]
+        out = torch.empty((m, k // 2 if fmt == "e2m1" else k), dtype=out_dtype, device=x.device)
+        scales = torch.empty((m, k // nx.MX_BLOCK_SIZE), dtype=torch.uint8, device=x.device)
+    if m and k:
+        fid, fmax, emax, mbits, bias, emin_field = _FORMATS[fmt]
+        bm, bk, warps = rt.tile("mx", k, nx.MX_BLOCK_SIZE)
+        kout = rt.as_kernel_tensor(out) if fake else out.view(torch.uint8)
+        _mx_kernel[rt.grid2(m, k, bm, bk)](
+            rt.as_kernel_tensor(x2), kout, kout if scales is None else scales, m, k, x2.stride(0), kout.stride(0),
+            0 if scales is None else scales.stride(0), seed,
+            BLOCK_M=bm, BLOCK_K=bk, FMT=fid, FMAX=fmax, EMAX=emax, MBITS=mbits, BIAS=bias, EMIN_FIELD=emin_field,
+            RCEIL=scale_recipe == "rceil", FAKE=fake, STOCHASTIC=bool(stochastic_rounding),
+            N_ROUNDS=rt.philox_rounds(), HW_FP8=rt.hw_fp8(x.device), COMPILED=not rt.interpreting(), num_warps=warps,
+            **rt.LAUNCH_OPTIONS)
+    if fake:
+        return out.reshape(x.shape)
+    return out.reshape(*lead, out.shape[-1]), scales.reshape(*lead, k // nx.MX_BLOCK_SIZE)
+
+
+def mxfp4_forward(x: torch.Tensor, stochastic_rounding: bool = False, *,
+                  scale_recipe: str = nx.DEFAULT_MX_SCALE_RECIPE, seed: int | None = None) -> torch.Tensor:
+    """MXFP4 fake quantization over the last dim (a multiple of 32); same dtype out."""
+    return _run(x, "e2m1", fake=True, scale_recipe=scale_recipe, stochastic_rounding=stochastic_rounding, seed=seed)
+
+
+def mxfp8_forward(x: torch.Tensor, format: str = "e4m3", stochastic_rounding: bool = False, *,
+                  scale_recipe: str = nx.DEFAULT_MX_SCALE_RECIPE, seed: int | None = None) -> torch.Tensor:
+    """MXFP8 (``"e4m3"`` or ``"e5m2"``) fake quantization over the last dim; same dtype out."""
+    check_choice("format", format, ("e4m3", "e5m2"))
+    return _run(x, format, fake=True, scale_recipe=scale_recipe, stochastic_rounding=stochastic_rounding, seed=seed)
+
+
+def mxfp4_quantize(x: torch.Tensor, *, scale_recipe: str = nx.DEFAULT_MX_SCALE_RECIPE,
+                   stochastic_rounding: bool = False, seed: int | None = None):
+    """MXFP4: ``(packed uint8 [..., K/2], E8M0 bytes [..., K/32])`` (twin of ``reference.mxfp4_quantize``)."""
+    return _run(x, "e2m1", fake=False, scale_recipe=scale_recipe, stochastic_rounding=stochastic_rounding, seed=seed)
+
+
+def mxfp8_quantize(x: torch.Tensor, format: str = "e4m3", *, scale_recipe: str = nx.DEFAULT_MX_SCALE_RECIPE,
+                   stochastic_rounding: bool = False, seed: int | None = None):
+    """MXFP8: ``(float8 [..., K], E8M0 bytes [..., K/32])`` (twin of ``reference.mxfp8_quantize``)."""
+    check_choice("format", format, ("e4m3", "e5m2"))
+    return _run(x, format, fake=False, scale_recipe=scale_recipe, stochastic_rounding=stochastic_rounding, seed=seed)
+
+
+def fake_quant_mxfp4(x: torch.Tensor, stochastic_rounding: bool = False, *,
+                     scale_recipe: str = nx.DEFAULT_MX_SCALE_RECIPE, seed: int | None = None) -> torch.Tensor:
+    """:func:`mxfp4_forward` on CUDA tensors, :func:`nvfp4_plugin.reference.fake_quant_mxfp4` elsewhere."""
+    if isinstance(x, torch.Tensor) and x.is_cuda:
+        return mxfp4_forward(x, stochastic_rounding, scale_recipe=scale_recipe, seed=seed)
+    return ref.fake_quant_mxfp4(x, stochastic_rounding, scale_recipe=scale_recipe, seed=seed)
+
+
+def fake_quant_mxfp8(x: torch.Tensor, format: str = "e4m3", stochastic_rounding: bool = False, *,
+                     scale_recipe: str = nx.DEFAULT_MX_SCALE_RECIPE, seed: int | None = None) -> torch.Tensor:
+    """:func:`mxfp8_forward` on CUDA tensors, :func:`nvfp4_plugin.reference.fake_quant_mxfp8` elsewhere."""
+    if isinstance(x, torch.Tensor) and x.is_cuda:
+        return mxfp8_forward(x, format, stochastic_rounding, scale_recipe=scale_recipe, seed=seed)
+    return ref.fake_quant_mxfp8(x, format, stochastic_rounding, scale_recipe=scale_recipe, seed=seed)
