@@ -1,0 +1,427 @@
+"""Public entry points of the Hopper FP4-weight GEMMs: validate, allocate, pick a config, launch.
+
+All three take a :class:`~.layout.PackedW4Weight` (from :func:`~.layout.prepack`, once at load time)
+and activations of the dtype it was packed for (bf16 or fp16); math is the exact product of the
+operands accumulated in fp32 (``w4a16``), or of NVFP4-quantized activations (``w4a4``: quantized
+with :func:`nvfp4_plugin.ops.scaled_fp4_quant` and friends exactly as the Blackwell path does).
+Nothing here reads device memory on the host: no synchronization, CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from .. import numerics as nx
+from .._checks import check_choice, check_shape, check_tensor
+from . import triton_w4 as tk
+from .layout import PackedW4Weight
+from .select import W4Config, select_config
+
+MODES = ("w4a16", "w4a4")
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+def _check_weight(name: str, w: PackedW4Weight, x: torch.Tensor, experts: bool):
+    if not isinstance(w, PackedW4Weight):
+        raise TypeError(f"{name}: expected a PackedW4Weight (nvfp4_plugin.gemm.prepack), got {type(w).__name__}")
+    lay = w.layout
+    if experts and len(lay.lead_shape) != 1:
+        raise ValueError(f"{name}: expected expert weights [E, N, K], got lead shape {lay.lead_shape}")
+    if not experts and lay.lead_shape not in ((), (1,)):
+        raise ValueError(f"{name}: expected a 2-D weight [N, K], got lead shape {lay.lead_shape}")
+    if x.dtype != lay.act_dtype:
+        raise TypeError(f"x: expected dtype {lay.act_dtype} (the weight was packed for it), got {x.dtype}")
+    if x.device != w.device:
+        raise ValueError(f"x: expected device {w.device} (same as the weight), got {x.device}")
+    if x.shape[-1] != lay.k:
+        raise ValueError(f"x: expected last dim K={lay.k}, got {x.shape[-1]}")
+
+
+@contextlib.contextmanager
+def _mma_v2_env(cfg: W4Config):
+    """mma.sync for token tiles >= 16 needs Triton's DISABLE_MMA_V3 while the kernel compiles."""
+    if not (cfg.v2 and cfg.bm >= 16) or tk.INTERPRET:
+        yield
+        return
+    old = os.environ.get("DISABLE_MMA_V3")
+    os.environ["DISABLE_MMA_V3"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("DISABLE_MMA_V3", None)
+        else:
+            os.environ["DISABLE_MMA_V3"] = old
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device, size: int) -> torch.Tensor:
+    """Split-K semaphores (int32, zero between calls: the last program of a tile resets its slot).
+
+    One buffer per (device, stream): kernels on one stream run in order, so calls never share a
+    slot concurrently; a buffer first needed during CUDA-graph capture lives in the graph's pool."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < size:
+        buf = torch.zeros(max(size, 8192), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+_DUMMIES: dict = {}
+
+
+def _dummy(device) -> torch.Tensor:
+    """Placeholder for pointer arguments a kernel variant never dereferences (cached per device)."""
+    key = (device.type, device.index)
+    t = _DUMMIES.get(key)
+    if t is None:
+        t = _DUMMIES[key] = torch.zeros(16, dtype=torch.int32, device=device)
+    return t
+
+
+def _launch(kind_mode: int, x, w: PackedW4Weight, y, cfg: W4Config, m: int, grid, *, aux=None, gather=None,
+            scatter=None, row_scale=None, act_scale=None, act_scale_mode: int = 0, bias=None, ws=None, cnt=None,
+            stride_xm=0, stride_xe=0, stride_ym=0, stride_ye=0):
+    lay = w.layout
+    d = _dummy(x.device)
+    k = lay.k
+    with _mma_v2_env(cfg):
+        tk.w4_gemm_kernel[grid](
+            x, w.words, w.scales, w.alpha, bias if bias is not None else d, y,
+            aux if aux is not None else d, gather if gather is not None else d,
+            scatter if scatter is not None else d, row_scale if row_scale is not None else d,
+            act_scale if act_scale is not None else d, ws if ws is not None else d, cnt if cnt is not None else d,
+            m, lay.n, k, lay.k_pad,
+            stride_xm, stride_xe, w.words.stride(0), w.words.stride(1), w.scales.stride(0), w.scales.stride(1),
+            w.alpha.stride(0), stride_ym, stride_ye,
+            cfg.split_k if kind_mode == 0 else 1, max(cfg.m_split, 1), cfg.group_m,
+            MODE=kind_mode, DT=0 if lay.act_dtype == torch.bfloat16 else 1, BN=cfg.bn, BM=cfg.bm, BK=cfg.bk,
+            IS_SPLIT=int(kind_mode == 0 and cfg.split_k > 1), V2=int(cfg.v2), USE_ASM=int(not tk.INTERPRET),
+            EVEN_K=int(k % cfg.bk == 0), HAS_BIAS=int(bias is not None),
+            HAS_GATHER=int(gather is not None), HAS_SCATTER=int(scatter is not None),
+            HAS_ROWSCALE=int(row_scale is not None), ACT_SCALE=act_scale_mode,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _fp4_act_decode(q: torch.Tensor, s: torch.Tensor, rows: int, k: int, dtype, *, swizzled: bool,
+                    srow: torch.Tensor | None = None) -> torch.Tensor:
+    """NVFP4 activations (codes ``[rows, K/2]``, E4M3 scales) -> ``e2m1 * s`` in ``dtype`` (exact)."""
+    out = torch.empty((rows, k), dtype=dtype, device=q.device)
+    if rows == 0:
+        return out
+    kb = k // nx.NVFP4_BLOCK_SIZE
+    br, bkb = 16, 8
+    grid = (triton_cdiv(rows, br), triton_cdiv(kb, bkb))
+    tk.fp4_act_decode_kernel[grid](
+        q, s.view(torch.uint8), srow if srow is not None else _dummy(q.device), out, rows, k, q.stride(0),
+        s.stride(-2) if not swizzled else 0, out.stride(0), nx.ceil_div(kb, 4),
+        SWIZZLED=int(swizzled), HAS_SROW=int(srow is not None), BR=br, BKB=bkb, num_warps=4)
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _act_scale_inv(gs: torch.Tensor) -> torch.Tensor:
+    return (1.0 / gs.float()).reshape(-1).contiguous()
+
+
+def w4_dequantize(weight: PackedW4Weight, *, apply_alpha: bool = False, act_scale: torch.Tensor | None = None,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``[E, N, K]`` (or ``[N, K]``) weight values from the packed form.
+
+    Default: ``e2m1 * s * 2**-8`` in the packed activation dtype, exact (multiply row n by
+    ``weight.alpha[..., n] = 2**8 / gs[n]`` to get the weight). ``apply_alpha``: the dequantized
+    weight ``e2m1 * s / gs`` itself (times ``act_scale[0]`` if given), rounded once to ``dtype``.
+    """
+    lay = weight.layout
+    num_e = weight.words.shape[0]
+    out = torch.empty((num_e, lay.n, lay.k), dtype=dtype or lay.act_dtype, device=weight.device)
+    bn, bk = 64, 128
+    grid = (triton_cdiv(lay.n, bn), triton_cdiv(lay.k, bk), num_e)
+    tk.w4_dequant_kernel[grid](weight.words, weight.scales, out, weight.alpha,
+                               act_scale if act_scale is not None else _dummy(weight.device), lay.n, lay.k,
+                               weight.words.stride(0), weight.words.stride(1), weight.scales.stride(0),
+                               weight.scales.stride(1), out.stride(0), out.stride(1), weight.alpha.stride(0),
+                               BN=bn, BK=bk, DT=0 if lay.act_dtype == torch.bfloat16 else 1,
+                               USE_ASM=int(not tk.INTERPRET), APPLY_ALPHA=int(apply_alpha),
+                               ACT_SCALE=int(act_scale is not None), num_warps=4)
+    return out if lay.lead_shape else out[0]
+
+
+def _dequant_mm(x2: torch.Tensor, weight: PackedW4Weight, bias, act_scale) -> torch.Tensor:
+    """Large-M path: dequantize the exactly representable part of the weight once
+    (``e2m1 * s * 2**-8``, no rounding), let cuBLAS accumulate the product into fp32, then apply the
+    per-row ``2**8 / gs`` (and the activation scale) and round once, like the fused kernels."""
+    lay = weight.layout
+    w = w4_dequantize(weight).reshape(lay.n, lay.k)
+    if x2.is_cuda:
+        y = torch.mm(x2, w.t(), out_dtype=torch.float32)
+    else:
+        y = x2.float() @ w.float().t()
+    y = y * weight.alpha.reshape(-1)[: lay.n]
+    if act_scale is not None:
+        y = y * act_scale[0]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x2.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# dense
+# ----------------------------------------------------------------------------------------------
+
+def w4_linear(x: torch.Tensor, weight: PackedW4Weight, bias: torch.Tensor | None = None, *, mode: str = "w4a16",
+              input_global_scale: torch.Tensor | None = None, config: W4Config | None = None) -> torch.Tensor:
+    """``y[..., N] = x[..., K] @ dequant(W)^T (+ bias)``.
+
+    ``w4a4``: x is first quantized to NVFP4 with ``input_global_scale`` (encode scale, one fp32 value)
+    exactly as :func:`nvfp4_plugin.reference.nvfp4_linear` does. ``config``: force a launch config.
+    """
+    check_choice("mode", mode, MODES)
+    check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16), min_ndim=1)
+    _check_weight("weight", weight, x, experts=False)
+    lay = weight.layout
+    n, k = lay.n, lay.k
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=(torch.bfloat16, torch.float16, torch.float32), device=x.device)
+        check_shape("bias", bias, (n,))
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*lead, n)
+    act_scale, act_mode = None, 0
+    if mode == "w4a4":
+        if input_global_scale is None:
+            raise ValueError("input_global_scale: required for mode='w4a4'")
+        from .. import ops
+        q, s = ops.scaled_fp4_quant(x2, input_global_scale, swizzle=False)
+        x2 = _fp4_act_decode(q, s, m, k, x.dtype, swizzled=False)
+        act_scale, act_mode = _act_scale_inv(input_global_scale), 1
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    cfg = config or select_config("dense", m, n, k, device=x.device)
+    if cfg.dequant_mm:
+        return _dequant_mm(x2, weight, bias, act_scale).reshape(*lead, n)
+    n_tiles = triton_cdiv(n, cfg.bn)
+    m_tiles = triton_cdiv(m, cfg.bm)
+    split = cfg.split_k
+    ws = cnt = None
+    if split > 1:
+        if m_tiles * n_tiles > 1 << 20:
+            split = 1
+        else:
+            ws = torch.empty((split, m, n_tiles * cfg.bn), dtype=torch.float32, device=x.device)
+            cnt = _counters(x.device, m_tiles * n_tiles)
+    if split != cfg.split_k:
+        cfg = W4Config(**{**cfg.__dict__, "split_k": split})
+    grid = (n_tiles * m_tiles * split,)
+    _launch(0, x2, weight, y, cfg, m, grid, bias=bias, ws=ws, cnt=cnt, act_scale=act_scale, act_scale_mode=act_mode,
+            stride_xm=x2.stride(0), stride_ym=y.stride(0))
+    return y.reshape(*lead, n)
+
+
+# ----------------------------------------------------------------------------------------------
+# grouped by expert offsets
+# ----------------------------------------------------------------------------------------------
+
+def _m_split(cfg: W4Config, rows: int, experts: int) -> int:
+    if cfg.m_split:
+        return cfg.m_split
+    per = triton_cdiv(rows, max(1, experts))
+    return max(1, min(16, triton_cdiv(2 * per, cfg.bm)))
+
+
+def w4_grouped(x: torch.Tensor, weight: PackedW4Weight, expert_offsets: torch.Tensor, *,
+               gather_idx: torch.Tensor | None = None, scatter_idx: torch.Tensor | None = None,
+               row_scale: torch.Tensor | None = None, num_out_rows: int | None = None,
+               out: torch.Tensor | None = None, mode: str = "w4a16", input_global_scale: torch.Tensor | None = None,
+               config: W4Config | None = None) -> torch.Tensor:
+    """Grouped GEMM over experts: rows ``r`` in ``[expert_offsets[e], expert_offsets[e+1])`` use ``W[e]``.
+
+    x:              ``[T, K]``; logical row r reads ``x[gather_idx[r]]`` if given, else ``x[r]``.
+    weight:         packed ``[E, N, K]``.
+    expert_offsets: int32 ``[E+1]`` cumulative row offsets on the device (``expert_offsets[0] == 0``;
+                    rows past ``expert_offsets[E]`` are ignored). Never read on the host.
+    scatter_idx:    int32 ``[R]``: row r is written to ``out[scatter_idx[r]]`` (else ``out[r]``).
+    row_scale:      fp32 ``[num_out_rows]``: output row d is multiplied by ``row_scale[d]`` (in fp32,
+                    before rounding), e.g. the flattened top-k weights with ``scatter_idx = pair id``.
+    num_out_rows:   rows of the output (default R, the number of logical rows = len(gather_idx) or T).
+    w4a4:           ``input_global_scale`` fp32 ``[E]``, rows quantized with their expert's scale.
+    Returns ``out`` ``[num_out_rows, N]`` (allocated if not given; with ``scatter_idx`` rows that no
+    logical row targets are zero).
+    """
+    check_choice("mode", mode, MODES)
+    check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16), ndim=2)
+    _check_weight("weight", weight, x, experts=True)
+    lay = weight.layout
+    num_e, n, k = lay.lead_shape[0], lay.n, lay.k
+    check_tensor("expert_offsets", expert_offsets, dtypes=(torch.int32,), ndim=1, device=x.device)
+    check_shape("expert_offsets", expert_offsets, (num_e + 1,))
+    rows = x.shape[0]
+    if gather_idx is not None:
+        check_tensor("gather_idx", gather_idx, dtypes=(torch.int32,), ndim=1, device=x.device)
+        rows = gather_idx.shape[0]
+    if scatter_idx is not None:
+        check_tensor("scatter_idx", scatter_idx, dtypes=(torch.int32,), device=x.device)
+        check_shape("scatter_idx", scatter_idx, (rows,))
+    n_out = rows if num_out_rows is None else int(num_out_rows)
+    if row_scale is not None:
+        check_tensor("row_scale", row_scale, dtypes=(torch.float32,), device=x.device)
+        check_shape("row_scale", row_scale, (n_out,))
+    if out is None:
+        alloc = torch.zeros if scatter_idx is not None else torch.empty
+        out = alloc((n_out, n), dtype=x.dtype, device=x.device)
+    else:
+        check_tensor("out", out, dtypes=(x.dtype,), device=x.device)
+        check_shape("out", out, (n_out, n))
+        if out.stride(1) != 1:
+            raise ValueError("out: expected a row-major (stride(1) == 1) tensor")
+    if rows == 0 or n_out == 0:
+        return out
+    act_scale, act_mode = None, 0
+    if mode == "w4a4":
+        if input_global_scale is None:
+            raise ValueError("input_global_scale: required for mode='w4a4' (one fp32 value per expert)")
+        check_tensor("input_global_scale", input_global_scale, dtypes=(torch.float32,), device=x.device)
+        check_shape("input_global_scale", input_global_scale, (num_e,))
+        from .. import ops
+        xs = x[gather_idx.long()] if gather_idx is not None else x
+        gather_idx = None
+        bso = nx.blockscale_offsets_from_expert_offsets(expert_offsets)
+        q, s = ops.scaled_fp4_experts_quant(xs, input_global_scale, expert_offsets, bso)
+        r_idx = torch.arange(rows, device=x.device, dtype=torch.int64)
+        ex = torch.searchsorted(expert_offsets[1:].to(torch.int64).contiguous(), r_idx, right=True).clamp(max=num_e - 1)
+        srow = (bso.to(torch.int64)[ex] + r_idx - expert_offsets.to(torch.int64)[ex]).to(torch.int32)
+        x = _fp4_act_decode(q, s, rows, k, x.dtype, swizzled=True, srow=srow)
+        act_scale, act_mode = _act_scale_inv(input_global_scale), 2
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cfg = config or select_config("grouped", rows, n, k, num_e, device=x.device)
+    ms = _m_split(cfg, rows, num_e)
+    grid = (triton_cdiv(n, cfg.bn), num_e * ms)
+    cfg = W4Config(**{**cfg.__dict__, "m_split": ms, "split_k": 1})
+    _launch(1, x, weight, out, cfg, rows, grid, aux=expert_offsets, gather=gather_idx, scatter=scatter_idx,
+            row_scale=row_scale, act_scale=act_scale, act_scale_mode=act_mode, stride_xm=x.stride(0),
+            stride_ym=out.stride(0))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# masked
+# ----------------------------------------------------------------------------------------------
+
+def w4_masked(x: torch.Tensor, weight: PackedW4Weight, mask: torch.Tensor, *, out: torch.Tensor | None = None,
+              mode: str = "w4a16", input_global_scale: torch.Tensor | None = None,
+              config: W4Config | None = None) -> torch.Tensor:
+    """Masked grouped GEMM (DeepEP low-latency layout): ``y[e, :mask[e]] = x[e, :mask[e]] @ dequant(W[e])^T``.
+
+    x: ``[E, max_m, K]``; mask: int32 ``[E]`` (values above max_m act as max_m). Rows at or past
+    ``mask[e]`` of the output are left as they are (uninitialized when ``out`` is not given).
+    w4a4: ``input_global_scale`` fp32 ``[E]``.
+    """
+    check_choice("mode", mode, MODES)
+    check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16), ndim=3)
+    _check_weight("weight", weight, x, experts=True)
+    lay = weight.layout
+    num_e, n, k = lay.lead_shape[0], lay.n, lay.k
+    check_shape("x", x, (num_e, None, k))
+    max_m = x.shape[1]
+    check_tensor("mask", mask, dtypes=(torch.int32,), device=x.device)
+    check_shape("mask", mask, (num_e,))
+    if out is None:
+        out = torch.empty((num_e, max_m, n), dtype=x.dtype, device=x.device)
+    else:
+        check_tensor("out", out, dtypes=(x.dtype,), device=x.device)
+        check_shape("out", out, (num_e, max_m, n))
+        if out.stride(2) != 1:
+            raise ValueError("out: expected stride(2) == 1")
+    if max_m == 0:
+        return out
+    act_scale, act_mode = None, 0
+    if mode == "w4a4":
+        if input_global_scale is None:
+            raise ValueError("input_global_scale: required for mode='w4a4' (one fp32 value per expert)")
+        check_tensor("input_global_scale", input_global_scale, dtypes=(torch.float32,), device=x.device)
+        check_shape("input_global_scale", input_global_scale, (num_e,))
+        from .. import ops
+        q, s = ops.silu_and_mul_scaled_fp4_experts_quant(x, input_global_scale, mask, use_silu_and_mul=False)
+        mp = s.shape[1]
+        r = torch.arange(num_e * max_m, device=x.device, dtype=torch.int64)
+        srow = ((r // max_m) * mp + r % max_m).to(torch.int32)
+        x = _fp4_act_decode(q.reshape(num_e * max_m, k // 2), s.reshape(num_e * mp, -1), num_e * max_m, k, x.dtype,
+                            swizzled=True, srow=srow).reshape(num_e, max_m, k)
+        act_scale, act_mode = _act_scale_inv(input_global_scale), 2
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cfg = config or select_config("masked", max_m, n, k, num_e, device=x.device)
+    ms = cfg.m_split or max(1, min(16, triton_cdiv(max_m, cfg.bm * 2)))
+    cfg = W4Config(**{**cfg.__dict__, "m_split": ms, "split_k": 1})
+    grid = (triton_cdiv(n, cfg.bn), num_e * ms)
+    _launch(2, x, weight, out, cfg, max_m, grid, aux=mask, act_scale=act_scale, act_scale_mode=act_mode,
+            stride_xm=x.stride(1), stride_xe=x.stride(0), stride_ym=out.stride(1), stride_ye=out.stride(0))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# fused MoE built from the grouped GEMM (routing sort, gather, SiLU-and-mul, scatter, combine)
+# ----------------------------------------------------------------------------------------------
+
+def moe_routing(topk_ids: torch.Tensor, num_experts: int) -> dict[str, torch.Tensor]:
+    """Sort routed (token, slot) pairs by expert on the device, no host sync.
+
+    Returns ``expert_offsets`` int32 ``[E+1]``, ``gather_idx`` int32 (token of each sorted row) and
+    ``scatter_idx`` int32 (pair id ``token * top_k + slot`` of each sorted row).
+    """
+    check_tensor("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64), ndim=2)
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))          # (bincount would read max() on the host)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
+    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    return {"expert_offsets": offsets, "gather_idx": (order // top_k).to(torch.int32),
+            "scatter_idx": order.to(torch.int32)}
+
+
+def w4_fused_moe(x: torch.Tensor, w13: PackedW4Weight, w2: PackedW4Weight, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, *, mode: str = "w4a16", a13_global_scale: torch.Tensor | None = None,
+                 a2_global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """NVFP4 MoE with SiLU-and-mul, the numerics of :func:`nvfp4_plugin.reference.nvfp4_fused_moe`.
+
+    ``w13``: packed ``[E, 2I, H]`` (gate rows, then up), ``w2``: packed ``[E, H, I]``; ``topk_ids``
+    ``[T, k]``; ``topk_weights`` ``[T, k]``. The up projection reads tokens through the gather index,
+    the down projection writes each (token, slot) row in place (scatter), so there are no permute
+    copies; the top-k combine is an fp32 sum of the rounded expert outputs, as in the reference.
+    """
+    check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16), ndim=2)
+    t, h = x.shape
+    num_e = w13.layout.lead_shape[0] if w13.layout.lead_shape else 1
+    top_k = topk_ids.shape[1]
+    check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
+    if topk_ids.shape[0] != t:
+        raise ValueError(f"topk_ids: expected {t} rows (one per token), got {topk_ids.shape[0]}")
+    if w2.layout.n != h or w2.layout.k * 2 != w13.layout.n:
+        raise ValueError(f"w2: expected [E, {h}, {w13.layout.n // 2}], got N={w2.layout.n}, K={w2.layout.k}")
+    r = moe_routing(topk_ids, num_e)
+    kw13 = dict(mode=mode, input_global_scale=a13_global_scale) if mode == "w4a4" else {}
+    hmid = w4_grouped(x, w13, r["expert_offsets"], gather_idx=r["gather_idx"], **kw13)
+    act = nx.silu_and_mul_fp32(hmid)
+    kw2 = dict(mode=mode, input_global_scale=a2_global_scale) if mode == "w4a4" else {}
+    y = w4_grouped(act, w2, r["expert_offsets"], scatter_idx=r["scatter_idx"], num_out_rows=t * top_k, **kw2)
+    out = (y.view(t, top_k, h).float() * topk_weights.float()[..., None]).sum(1)
+    return out.to(x.dtype)

@@ -1,0 +1,133 @@
+"""Compile the GEMM kernel for sm_90a without a GPU and summarize its SASS (CI and tuning aid).
+
+    NVFP4_PLUGIN_GEMM_COMPILE_ONLY=1 python -m nvfp4_plugin.gemm.inspect_sass --bm 8 --v2 --bk 256
+
+Prints registers / shared memory / spills and the instruction mix of the main loop: the decode must
+show as LOP3/SHF/HMUL2 feeding HGMMA (wgmma) or HMMA (mma.sync) with no STS/LDS round trip of
+decoded values and no local memory (LDL/STL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ.setdefault("NVFP4_PLUGIN_GEMM_COMPILE_ONLY", "1")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from . import triton_w4 as tk  # noqa: E402
+from .select import W4Config  # noqa: E402
+
+_SIG = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*i16", "alpha_ptr": "*fp32", "bias_ptr": "*bf16",
+        "y_ptr": "*bf16", "aux_ptr": "*i32", "gather_ptr": "*i32", "scatter_ptr": "*i32", "rowscale_ptr": "*fp32",
+        "actscale_ptr": "*fp32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+        "K_pad": "i32", "stride_xm": "i32", "stride_xe": "i32", "stride_qe": "i32", "stride_qn": "i32",
+        "stride_se": "i32", "stride_sn": "i32", "stride_ae": "i32", "stride_ym": "i32", "stride_ye": "i32",
+        "SPLIT_K": "i32", "M_SPLIT": "i32", "GROUP_M": "i32"}
+_DIV16 = {"N", "K", "K_pad", "stride_xm", "stride_xe", "stride_qe", "stride_qn", "stride_se", "stride_sn",
+          "stride_ae", "stride_ym", "stride_ye"}
+
+
+def compile_config(cfg: W4Config, *, mode: int = 0, fp16: bool = False, even_k: bool = True, **flags):
+    if tk.INTERPRET:
+        raise RuntimeError("set NVFP4_PLUGIN_GEMM_COMPILE_ONLY=1 before importing nvfp4_plugin.gemm")
+    fn = tk.w4_gemm_kernel
+    sig = dict(_SIG)
+    if fp16:
+        for k in ("x_ptr", "bias_ptr", "y_ptr"):
+            sig[k] = "*fp16"
+    const = dict(MODE=mode, DT=int(fp16), BN=cfg.bn, BM=cfg.bm, BK=cfg.bk, IS_SPLIT=int(cfg.split_k > 1),
+                 V2=int(cfg.v2), USE_ASM=1, EVEN_K=int(even_k),
+                 HAS_BIAS=0, HAS_GATHER=0, HAS_SCATTER=0, HAS_ROWSCALE=0, ACT_SCALE=0)
+    const.update(flags)
+    for k in const:
+        sig[k] = "constexpr"
+    names = fn.arg_names
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in _DIV16}
+    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+    env = os.environ.get("DISABLE_MMA_V3")
+    if cfg.v2 and cfg.bm >= 16:
+        os.environ["DISABLE_MMA_V3"] = "1"
+    try:
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    finally:
+        if env is None:
+            os.environ.pop("DISABLE_MMA_V3", None)
+        else:
+            os.environ["DISABLE_MMA_V3"] = env
+
+
+def sass_text(compiled) -> str:
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _instructions(sass: str):
+    out = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            out.append((int(m.group(1), 16), re.sub(r"^@!?U?P\w+\s+", "", m.group(2).strip())))
+    return out
+
+
+def loops(sass: str):
+    """[(n_instructions, Counter of opcodes)] for each backward branch (innermost loops first by size)."""
+    ins = _instructions(sass)
+    res = []
+    for addr, text in ins:
+        m = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            lo = int(m.group(1), 16)
+            body = [t for a, t in ins if lo <= a <= addr]
+            res.append((len(body), collections.Counter(t.split()[0].split(".")[0] for t in body)))
+    return sorted(res, key=lambda r: r[0])
+
+
+def summary(compiled) -> dict:
+    sass = sass_text(compiled)
+    ops = collections.Counter(t.split()[0].split(".")[0] for _, t in _instructions(sass))
+    md = compiled.metadata
+    return {"shared": md.shared, "spills": getattr(compiled, "n_spills", None), "regs": getattr(compiled, "n_regs", None),
+            "local": ops.get("LDL", 0) + ops.get("STL", 0), "hgmma": ops.get("HGMMA", 0), "hmma": ops.get("HMMA", 0),
+            "loops": loops(sass)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bn", type=int, default=64)
+    ap.add_argument("--bm", type=int, default=16)
+    ap.add_argument("--bk", type=int, default=128)
+    ap.add_argument("--split-k", type=int, default=1)
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--v2", action="store_true")
+    ap.add_argument("--mode", type=int, default=0)
+    ap.add_argument("--fp16", action="store_true")
+    ap.add_argument("--dump", help="write the SASS here")
+    a = ap.parse_args(argv)
+    cfg = W4Config(bn=a.bn, bm=a.bm, bk=a.bk, split_k=a.split_k, num_warps=a.warps, num_stages=a.stages, v2=a.v2)
+    ck = compile_config(cfg, mode=a.mode, fp16=a.fp16)
+    s = summary(ck)
+    if a.dump:
+        with open(a.dump, "w") as f:
+            f.write(sass_text(ck))
+    print(f"{cfg}\nshared={s['shared']} local_mem_instrs={s['local']} HGMMA={s['hgmma']} HMMA={s['hmma']}")
+    for n, c in s["loops"]:
+        print(f"  loop: {n} instrs: " + ", ".join(f"{k}={v}" for k, v in c.most_common(14)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,212 @@
+"""Kernel configurations: tuned per device in ``configs/<device>.json``, heuristics otherwise.
+
+Chosen in Python from static shapes only (M or the routed row count, N, K, E: all known on the host
+without reading device memory), so selection never synchronizes and is CUDA-graph safe. Lookups
+are cached per shape.
+
+JSON layout (written by ``benchmarks/tune_gemm.py``)::
+
+    {"device": "NVIDIA H200", "triton": "3.6.0",
+     "dense":   {"N=6144,K=4096":       {"1": {config}, "4": {...}, ...}},
+     "grouped": {"E=128,N=1536,K=2048": {"8": {...}, ...}},     # bucket = routed rows (tokens*top_k)
+     "masked":  {"E=128,N=1536,K=2048": {"8": {...}, ...}}}     # bucket = max_m
+
+A bucket entry applies to sizes up to its key (the nearest tuned bucket at or above the size; the
+largest one beyond it). A shape with no entry uses :func:`heuristic`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("nvfp4_plugin")
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+#: Override the config directory (e.g. to try freshly tuned files).
+ENV_CONFIG_DIR = "NVFP4_PLUGIN_GEMM_CONFIG_DIR"
+KINDS = ("dense", "grouped", "masked")
+
+
+@dataclass(frozen=True)
+class W4Config:
+    """One launch configuration of :func:`~.triton_w4.w4_gemm_kernel`.
+
+    bn: weight rows per program (32 (mma.sync, 2 warps), 64 or 128), bm: token rows per program
+    (8 needs ``v2``), bk: K per pipeline stage (64, 128 or 256), split_k: programs sharing one output
+    tile along K (dense only), m_split: programs per (expert, N tile) in grouped/masked modes
+    (0: heuristic), group_m: M tiles per raster group (dense, L2 reuse of the weight tiles),
+    v2: mma.sync instead of wgmma, dequant_mm: dense only, dequantize the weight and call torch.mm
+    (cuBLAS) instead (large M).
+    """
+
+    bn: int = 64
+    bm: int = 16
+    bk: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    v2: bool = False
+    m_split: int = 0
+    group_m: int = 8
+    dequant_mm: bool = False
+
+    def __post_init__(self):
+        if self.bn not in (32, 64, 128):
+            raise ValueError(f"W4Config.bn: expected 32, 64 or 128, got {self.bn}")
+        if self.bk not in (64, 128, 256):
+            raise ValueError(f"W4Config.bk: expected 64, 128 or 256, got {self.bk}")
+        if self.bm not in (8, 16, 32, 64, 128, 256):
+            raise ValueError(f"W4Config.bm: expected one of 8..256 (powers of two), got {self.bm}")
+        if self.bm == 8 and not self.v2:
+            raise ValueError("W4Config: bm=8 runs on mma.sync, set v2=True")
+        if self.num_warps not in (2, 4, 8):
+            raise ValueError(f"W4Config.num_warps: expected 2, 4 or 8, got {self.num_warps}")
+        if not self.v2 and (self.num_warps < 4 or self.bn < 64):
+            raise ValueError("W4Config: wgmma (v2=False) needs bn >= 64 and num_warps >= 4 (a warpgroup)")
+        if self.bn < 16 * self.num_warps:
+            raise ValueError(f"W4Config: bn={self.bn} is fewer rows than num_warps={self.num_warps} warps x 16")
+        if self.split_k < 1 or self.num_stages < 1 or self.m_split < 0 or self.group_m < 1:
+            raise ValueError(f"W4Config: invalid {self}")
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v != getattr(W4Config, k)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> W4Config:
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"W4Config: unknown keys {sorted(unknown)}")
+        return cls(**d)
+
+
+DENSE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def device_key(device: torch.device | None = None) -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
+    idx = device.index if device is not None and device.type == "cuda" and device.index is not None else None
+    return _device_key(torch.cuda.current_device() if idx is None else idx)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_key(index: int) -> str:
+    return torch.cuda.get_device_name(index).replace(" ", "_").replace("/", "_")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int | None) -> int:
+    if not torch.cuda.is_available():
+        return 132
+    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(dev_key: str, config_dir: str | None = None) -> dict:
+    path = Path(config_dir or os.environ.get(ENV_CONFIG_DIR) or CONFIG_DIR) / f"{dev_key}.json"
+    if not path.exists():
+        logger.info("nvfp4_plugin: no tuned GEMM configs for %s (%s); using heuristics", dev_key, path)
+        return {}
+    with open(path) as f:
+        table = json.load(f)
+    out = {}
+    for kind in KINDS:
+        out[kind] = {shape: {int(b): W4Config.from_json(c) for b, c in buckets.items()}
+                     for shape, buckets in table.get(kind, {}).items()}
+    return out
+
+
+def shape_key(kind: str, n: int, k: int, e: int = 1) -> str:
+    return f"N={n},K={k}" if kind == "dense" else f"E={e},N={n},K={k}"
+
+
+def _lookup(buckets: dict[int, W4Config], size: int) -> W4Config | None:
+    if not buckets:
+        return None
+    keys = sorted(buckets)
+    for b in keys:
+        if size <= b:
+            return buckets[b]
+    return buckets[keys[-1]]
+
+
+SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def _split_k(n_tiles: int, k: int, bk: int, sms: int, target: float = 3.0, min_iters: int = 3) -> int:
+    """Split K so that about ``target`` programs per SM stream weights (enough bytes in flight to
+    cover DRAM latency), keeping at least ``min_iters`` K steps per program."""
+    iters = -(-k // bk)
+    best, best_d = 1, None
+    for s in SPLIT_CHOICES:
+        if s > 1 and iters < min_iters * s:
+            break
+        d = abs((n_tiles * s) / (target * sms) - 1.0)
+        if n_tiles * s > target * sms * 1.5 and s > 1:
+            break
+        if best_d is None or d < best_d:
+            best, best_d = s, d
+    return best
+
+
+def heuristic(kind: str, m: int, n: int, k: int, e: int = 1, sms: int = 132) -> W4Config:
+    """Reasoned defaults for H100/H200-class GPUs. ``m``: dense rows, routed rows (grouped) or max_m (masked).
+
+    Few rows per weight tile (decode) is a weight-streaming problem: 8-token mma.sync tiles, long K
+    steps, deep pipelines, and enough programs (split-K, narrower tiles) to keep ~3 per SM pulling
+    bytes. Many rows is a tensor-core problem: 64-128-token wgmma tiles, 2 warpgroups.
+    """
+    bk = 256 if k % 256 == 0 else (128 if k % 128 == 0 else 64)
+    if kind == "grouped":
+        active = max(1, min(e, m))
+        rows = -(-m // active)
+    else:
+        active = e if kind == "masked" else 1
+        rows = m
+    if rows <= 8:
+        cfg = W4Config(bn=64, bm=8, bk=bk, v2=True, num_warps=4, num_stages=4 if bk == 256 else 5)
+    elif rows <= 16:
+        cfg = W4Config(bn=64, bm=16, bk=bk, num_warps=4, num_stages=3)
+    elif rows <= 32:
+        cfg = W4Config(bn=64, bm=32, bk=min(bk, 128), num_warps=4, num_stages=4)
+    elif rows <= 64:
+        cfg = W4Config(bn=128, bm=64, bk=min(bk, 128), num_warps=8, num_stages=3)
+    else:
+        cfg = W4Config(bn=128, bm=128, bk=64, num_warps=8, num_stages=4)
+    n_tiles = -(-n // cfg.bn)
+    if kind == "dense":
+        if m <= 64:
+            n_tiles *= -(-m // cfg.bm)
+            cfg = replace(cfg, split_k=_split_k(n_tiles, k, cfg.bk, sms, target=3.0 if m <= 16 else 1.5))
+    elif cfg.v2 and active * n_tiles < 2 * sms:
+        cfg = replace(cfg, bn=32, num_warps=2)       # more, narrower programs over few experts
+    return cfg
+
+
+@functools.lru_cache(maxsize=4096)
+def _select_cached(kind: str, m: int, n: int, k: int, e: int, dev_key: str, sms: int) -> W4Config:
+    table = load_table(dev_key).get(kind, {})
+    bucket_size = m
+    cfg = _lookup(table.get(shape_key(kind, n, k, e), {}), bucket_size)
+    return cfg if cfg is not None else heuristic(kind, m, n, k, e, sms)
+
+
+def select_config(kind: str, m: int, n: int, k: int, e: int = 1, device: torch.device | None = None) -> W4Config:
+    """The config for a ``kind`` (dense / grouped / masked) GEMM of this static shape."""
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+    idx = device.index if device is not None and device.type == "cuda" else None
+    return _select_cached(kind, int(m), int(n), int(k), int(e), device_key(device), _num_sms(idx))
+
+
+def clear_cache() -> None:
+    load_table.cache_clear()
+    _select_cached.cache_clear()

@@ -1,0 +1,532 @@
+"""Hopper FP4-weight GEMMs (dense, grouped by expert offsets, masked) against the reference.
+
+Reference = dequantize (fp32), then fp32 matmul (``nvfp4_plugin.reference``); the kernels must match
+to bf16/fp16 rounding: max abs error <= 2 ulps of the output scale (``ulp(max |y_ref|)``). Observed
+errors are recorded in ``MAX_ULP_SEEN`` and printed at the end of the module (``pytest -s``).
+
+Without a GPU the kernels run in Triton's interpreter (nvfp4_plugin.gemm picks it at import when
+CUDA is unavailable; nothing here changes the environment of other test modules). The same tests at
+larger sizes, plus CUDA-graph capture and split-K determinism, are marked ``gpu``.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # Triton's CPU interpreter; must be set before triton is first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from nvfp4_plugin import numerics as nx  # noqa: E402
+from nvfp4_plugin import reference as ref  # noqa: E402
+from nvfp4_plugin.gemm import (W4Config, prepack, select_config, w4_dequantize, w4_grouped, w4_linear,  # noqa: E402
+                               w4_masked)
+from nvfp4_plugin.gemm import select as gsel  # noqa: E402
+from nvfp4_plugin.gemm import triton_w4  # noqa: E402
+from nvfp4_plugin.weights import Nvfp4Weight  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEV = torch.device("cuda" if ON_GPU else "cpu")
+MAX_ULP_SEEN: dict = {}
+
+V2_8 = W4Config(bn=64, bm=8, bk=64, v2=True)
+V3_16 = W4Config(bn=64, bm=16, bk=128)
+BN128 = W4Config(bn=128, bm=32, bk=64, num_warps=8)
+SPLIT = W4Config(bn=64, bm=8, bk=64, v2=True, split_k=3)
+BK256 = W4Config(bn=64, bm=16, bk=256, split_k=2)
+V2_16 = W4Config(bn=64, bm=16, bk=64, v2=True)
+BN32 = W4Config(bn=32, bm=8, bk=128, v2=True, num_warps=2)
+CONFIGS = {"v2_bm8": V2_8, "v3_bm16": V3_16, "bn128": BN128, "splitk3": SPLIT, "bk256_split2": BK256,
+           "v2_bm16": V2_16, "bn32": BN32, "dequant_mm": W4Config(dequant_mm=True)}
+
+
+def ulp_error(y: torch.Tensor, y_ref: torch.Tensor, dtype: torch.dtype, tag: str) -> float:
+    """max |y - y_ref| in ulps of the output scale max |y_ref| (bf16: 8 significant bits, fp16: 11)."""
+    if y_ref.numel() == 0:
+        return 0.0
+    assert not torch.isnan(y).any()
+    scale = y_ref.abs().max().item()
+    if scale == 0:
+        return float(y.abs().max().item() != 0) * 1e9
+    ulp = 2.0 ** (math.floor(math.log2(scale)) - (7 if dtype == torch.bfloat16 else 10))
+    err = (y.double() - y_ref.double()).abs().max().item() / ulp
+    MAX_ULP_SEEN[tag] = max(MAX_ULP_SEEN.get(tag, 0.0), err)
+    return err
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    seen = {k: round(v, 3) for k, v in sorted(MAX_ULP_SEEN.items()) if not k.startswith("_")}
+    if seen:
+        print("\nmax error in ulps of the output scale:", seen)
+
+
+def make_weight(lead, n, k, seed, device=DEV):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(*lead, n, k, generator=g) * (torch.rand(*lead, n, 1, generator=g) + 0.1)
+    return Nvfp4Weight.quantize(w).to(device)
+
+
+def act(shape, dtype, seed, device=DEV):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+
+def dense_ref(x, w: Nvfp4Weight, bias=None, mode="w4a16", gs=None):
+    """fp32 reference before output rounding: dequantize (fp32), fp32 matmul."""
+    k = w.k
+    x2 = x.reshape(-1, k)
+    if mode == "w4a4":
+        q, s = ref.scaled_fp4_quant(x2.cpu(), gs.cpu(), swizzle=False)
+        xf = ref.dequantize_fp4(q, s, gs.cpu(), swizzled=False, m=x2.shape[0], k=k).to(x.device)
+    else:
+        xf = x2.float()
+    y = xf.double() @ w.dequantize(torch.float64).t()
+    if bias is not None:
+        y = y + bias.double()
+    return y.reshape(*x.shape[:-1], w.n)
+
+
+# ----------------------------------------------------------------------------------------------
+# dense
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cfg_name", list(CONFIGS))
+@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (5, 100, 208), (17, 130, 96)])
+def test_dense_configs(cfg_name, m, n, k):
+    dtype = torch.bfloat16 if (m + len(cfg_name)) % 2 else torch.float16
+    w = make_weight((), n, k, seed=m * 7 + n)
+    p = prepack(w, dtype)
+    x = act((m, k), dtype, seed=k)
+    y = w4_linear(x, p, config=CONFIGS[cfg_name])
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert ulp_error(y, dense_ref(x, w), dtype, f"dense/{dtype}") <= 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dense_bias_leading_dims_and_heuristic_config(dtype):
+    w = make_weight((), 48, 80, seed=3)
+    p = prepack(w, dtype)
+    x = act((2, 3, 80), dtype, seed=4)
+    bias = act((48,), dtype, seed=5)
+    y = w4_linear(x, p, bias)
+    assert y.shape == (2, 3, 48)
+    assert ulp_error(y, dense_ref(x, w, bias), dtype, f"dense/{dtype}") <= 2
+    # matches the reference op's rounding too
+    yr = ref.nvfp4_linear(x.cpu(), w.packed.cpu(), w.block_scale.cpu(), w.global_scale.cpu(), bias.cpu())
+    assert ulp_error(y.cpu(), yr.double(), dtype, "dense_vs_ref_op") <= 2
+
+
+def test_dense_m0_and_k_not_multiple_of_tile():
+    w = make_weight((), 64, 48, seed=9)
+    p = prepack(w, torch.bfloat16)
+    y = w4_linear(torch.empty(0, 48, dtype=torch.bfloat16, device=DEV), p)
+    assert y.shape == (0, 64)
+    x = act((3, 48), torch.bfloat16, seed=1)
+    for cfg in (V2_8, W4Config(bn=64, bm=16, bk=256, split_k=1)):
+        assert ulp_error(w4_linear(x, p, config=cfg), dense_ref(x, w), torch.bfloat16, "dense/k48") <= 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cfg", [V2_8, V3_16, SPLIT])
+def test_dense_w4a4(dtype, cfg):
+    w = make_weight((), 64, 96, seed=11)
+    p = prepack(w, dtype)
+    x = act((6, 96), dtype, seed=12)
+    gs = nx.tensor_global_scale(x.float()).reshape(1).to(DEV)
+    bias = act((64,), torch.float32, seed=2)
+    y = w4_linear(x, p, bias, mode="w4a4", input_global_scale=gs, config=cfg)
+    y_ref = dense_ref(x, w, bias, mode="w4a4", gs=gs)
+    assert ulp_error(y, y_ref, dtype, f"dense_w4a4/{dtype}") <= 2
+    # the activation quantization is really applied
+    assert ulp_error(w4_linear(x, p, bias, config=cfg), y_ref, dtype, "_w4a16_vs_w4a4") > 2
+
+
+def test_dense_argument_errors():
+    w = make_weight((), 32, 64, seed=0)
+    p = prepack(w, torch.bfloat16)
+    with pytest.raises(TypeError, match="x: expected dtype"):
+        w4_linear(act((2, 64), torch.float16, 0), p)
+    with pytest.raises(ValueError, match="x: expected last dim K=64"):
+        w4_linear(act((2, 32), torch.bfloat16, 0), p)
+    with pytest.raises(ValueError, match="input_global_scale"):
+        w4_linear(act((2, 64), torch.bfloat16, 0), p, mode="w4a4")
+    with pytest.raises(ValueError, match="bias"):
+        w4_linear(act((2, 64), torch.bfloat16, 0), p, act((31,), torch.bfloat16, 0))
+    with pytest.raises(ValueError, match="bm=8"):
+        W4Config(bm=8)
+
+
+def test_dequantize_kernel_is_exact():
+    w = make_weight((2,), 70, 208, seed=21)
+    for dtype in (torch.bfloat16, torch.float16):
+        p = prepack(w, dtype)
+        d = w4_dequantize(p).double()
+        exact = nx.e2m1_decode(nx.unpack_fp4(w.packed)).double().reshape(2, 70, 13, 16) \
+            * w.block_scale.double()[..., None] / 256
+        assert torch.equal(d, exact.reshape(2, 70, 208))
+        # with the global scale applied: one rounding of the reference dequantization
+        full = w4_dequantize(p, apply_alpha=True, dtype=torch.float32)
+        assert torch.allclose(full.cpu(), w.dequantize().cpu(), rtol=2**-22, atol=0)
+
+
+FUZZ_CONFIGS = [V2_8, V3_16, BN128, SPLIT, BK256, V2_16, BN32, W4Config(bn=128, bm=64, bk=128, num_warps=8, split_k=2)]
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(m=st.sampled_from([0, 1, 2, 3, 7, 8, 9, 16, 31, 33]), n=st.integers(1, 140),
+       kb=st.integers(1, 20), cfg=st.sampled_from(FUZZ_CONFIGS), fp16=st.booleans(), bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_dense_fuzz(m, n, kb, cfg, fp16, bias, seed):
+    dtype = torch.float16 if fp16 else torch.bfloat16
+    k = 16 * kb
+    w = make_weight((), n, k, seed=seed)
+    p = prepack(w, dtype)
+    x = act((m, k), dtype, seed=seed + 1)
+    b = act((n,), dtype, seed=seed + 2) if bias else None
+    y = w4_linear(x, p, b, config=cfg)
+    assert y.shape == (m, n)
+    assert ulp_error(y, dense_ref(x, w, b), dtype, f"dense_fuzz/{dtype}") <= 2
+
+
+# ----------------------------------------------------------------------------------------------
+# grouped by expert offsets
+# ----------------------------------------------------------------------------------------------
+
+def routing(num_tokens, num_experts, top_k, seed, device=DEV):
+    """Top-k routing as an MoE layer sorts it: pair order, expert offsets [E+1], token per pair."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(num_tokens, num_experts, generator=g)
+    scores[:, 1] = -1  # expert 1 never chosen: an expert with zero rows
+    topk_w, topk_ids = torch.topk(scores.softmax(-1), top_k, dim=-1)
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(counts, 0)
+    return (order.to(torch.int32).to(device), offsets.to(device), (order // top_k).to(torch.int32).to(device),
+            topk_w.reshape(-1).float().to(device))
+
+
+def grouped_ref(x, w: Nvfp4Weight, offsets, gather=None, scatter=None, row_scale=None, n_out=None,
+                mode="w4a16", gs=None):
+    """fp64 reference, one batched matmul per expert (on x's device); returns a CPU tensor."""
+    wd = w.dequantize(torch.float64).to(x.device)
+    offs = offsets.cpu().tolist()
+    rows = gather.shape[0] if gather is not None else x.shape[0]
+    out = torch.zeros((n_out or rows, w.n), dtype=torch.float64, device=x.device)
+    for e in range(w.packed.shape[0]):
+        lo, hi = offs[e], offs[e + 1]
+        if hi <= lo:
+            continue
+        r = torch.arange(lo, hi, device=x.device)
+        src = gather.to(x.device).long()[r] if gather is not None else r
+        xr = x[src]
+        if mode == "w4a4":
+            q, s = ref.scaled_fp4_quant(xr, gs[e:e + 1], swizzle=False)
+            xr = ref.dequantize_fp4(q, s, gs[e:e + 1], swizzled=False, m=hi - lo, k=w.k)
+        y = xr.double() @ wd[e].t()
+        d = scatter.to(x.device).long()[r] if scatter is not None else r
+        if row_scale is not None:
+            y = y * row_scale.to(x.device).double()[d][:, None]
+        out[d] = y
+    return out.cpu()
+
+
+@pytest.mark.parametrize("cfg", [None, V2_8, W4Config(bn=64, bm=16, bk=64, m_split=2), BN128, BN32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grouped_sorted_rows(cfg, dtype):
+    num_e, n, k, tokens, top_k = 4, 72, 96, 9, 2
+    w = make_weight((num_e,), n, k, seed=31)
+    p = prepack(w, dtype)
+    pair, offsets, token, _ = routing(tokens, num_e, top_k, seed=32)
+    x = act((tokens * top_k, k), dtype, seed=33)          # rows already sorted by expert
+    y = w4_grouped(x, p, offsets, config=cfg)
+    assert y.shape == (tokens * top_k, n)
+    assert ulp_error(y.cpu(), grouped_ref(x, w, offsets), dtype, f"grouped/{dtype}") <= 2
+
+
+@pytest.mark.parametrize("cfg", [V2_8, W4Config(bn=64, bm=16, bk=128, m_split=3)])
+def test_grouped_gather_scatter_topk_weights(cfg):
+    """Up-projection reads tokens through the gather index; down-projection writes pair slots
+    through the scatter index times the top-k weights, so the MoE needs no permute copies."""
+    num_e, n, k, tokens, top_k = 5, 64, 80, 7, 3
+    dtype = torch.bfloat16
+    w = make_weight((num_e,), n, k, seed=41)
+    p = prepack(w, dtype)
+    pair, offsets, token, topk_w = routing(tokens, num_e, top_k, seed=42)
+    x = act((tokens, k), dtype, seed=43)
+    y = w4_grouped(x, p, offsets, gather_idx=token, scatter_idx=pair, row_scale=topk_w,
+                   num_out_rows=tokens * top_k, config=cfg)
+    y_ref = grouped_ref(x, w, offsets, gather=token, scatter=pair, row_scale=topk_w, n_out=tokens * top_k)
+    assert ulp_error(y.cpu(), y_ref, dtype, "grouped_gather_scatter") <= 2
+    # summing the top-k slots per token gives the MoE combine
+    comb = y.float().reshape(tokens, top_k, n).sum(1)
+    assert torch.allclose(comb.cpu().double(), y_ref.reshape(tokens, top_k, n).sum(1), rtol=0.02, atol=0.05)
+
+
+def test_grouped_w4a4_and_empty():
+    num_e, n, k = 3, 64, 64
+    dtype = torch.bfloat16
+    w = make_weight((num_e,), n, k, seed=51)
+    p = prepack(w, dtype)
+    offsets = torch.tensor([0, 3, 3, 7], dtype=torch.int32, device=DEV)
+    x = act((7, k), dtype, seed=52)
+    gs = torch.tensor([3.0, 50.0, 400.0], device=DEV)
+    y = w4_grouped(x, p, offsets, mode="w4a4", input_global_scale=gs, config=V2_8)
+    y_ref = grouped_ref(x, w, offsets, mode="w4a4", gs=gs)
+    assert ulp_error(y.cpu(), y_ref, dtype, "grouped_w4a4") <= 2
+    # no rows at all, and rows past expert_offsets[E] are ignored
+    zero = torch.zeros(num_e + 1, dtype=torch.int32, device=DEV)
+    out = torch.full((7, n), 7.0, dtype=dtype, device=DEV)
+    w4_grouped(x, p, zero, out=out)
+    assert (out == 7).all()
+    assert w4_grouped(x[:0], p, zero).shape == (0, n)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(counts=st.lists(st.integers(0, 11), min_size=1, max_size=5), nb=st.integers(1, 9), kb=st.integers(1, 9),
+       cfg=st.sampled_from([None, V2_8, V3_16, W4Config(bn=64, bm=16, bk=64, m_split=3)]), gather=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_grouped_fuzz(counts, nb, kb, cfg, gather, seed):
+    num_e, n, k = len(counts), 16 * nb - 3, 16 * kb
+    dtype = torch.bfloat16
+    w = make_weight((num_e,), n, k, seed=seed)
+    p = prepack(w, dtype)
+    offsets = torch.zeros(num_e + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(torch.tensor(counts), 0)
+    rows = int(offsets[-1])
+    offsets = offsets.to(DEV)
+    g = torch.Generator().manual_seed(seed)
+    if gather:
+        x = act((5, k), dtype, seed=seed + 1)
+        gi = torch.randint(0, 5, (rows,), generator=g, dtype=torch.int32).to(DEV)
+    else:
+        x = act((rows + 2, k), dtype, seed=seed + 1)   # 2 trailing rows past expert_offsets[E]: ignored
+        gi = None
+    y = w4_grouped(x, p, offsets, gather_idx=gi, config=cfg)
+    y_ref = grouped_ref(x, w, offsets, gather=gi)
+    assert ulp_error(y[:rows].cpu(), y_ref[:rows], dtype, "grouped_fuzz") <= 2
+
+
+# ----------------------------------------------------------------------------------------------
+# masked
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cfg", [None, V2_8, V3_16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_masked(cfg, dtype):
+    num_e, max_m, n, k = 4, 19, 64, 96
+    w = make_weight((num_e,), n, k, seed=61)
+    p = prepack(w, dtype)
+    x = act((num_e, max_m, k), dtype, seed=62)
+    mask = torch.tensor([0, max_m, 5, 100], dtype=torch.int32, device=DEV)   # empty, full, partial, > max_m
+    out = torch.full((num_e, max_m, n), 3.0, dtype=dtype, device=DEV)
+    w4_masked(x, p, mask, out=out, config=cfg)
+    wd = w.dequantize(torch.float64)
+    for e, valid in enumerate([0, max_m, 5, max_m]):
+        y_ref = x[e, :valid].cpu().double() @ wd[e].cpu().t()
+        assert ulp_error(out[e, :valid].cpu(), y_ref, dtype, f"masked/{dtype}") <= 2
+        assert (out[e, valid:] == 3).all()   # rows past the mask untouched
+
+
+def test_masked_w4a4():
+    num_e, max_m, n, k = 2, 9, 64, 64
+    dtype = torch.bfloat16
+    w = make_weight((num_e,), n, k, seed=71)
+    p = prepack(w, dtype)
+    x = act((num_e, max_m, k), dtype, seed=72)
+    mask = torch.tensor([9, 4], dtype=torch.int32, device=DEV)
+    gs = torch.tensor([20.0, 700.0], device=DEV)
+    y = w4_masked(x, p, mask, mode="w4a4", input_global_scale=gs, config=V2_8)
+    wd = w.dequantize(torch.float64)
+    for e, valid in enumerate([9, 4]):
+        q, s = ref.scaled_fp4_quant(x[e, :valid].cpu(), gs[e:e + 1].cpu(), swizzle=False)
+        xd = ref.dequantize_fp4(q, s, gs[e:e + 1].cpu(), swizzled=False, m=valid, k=k)
+        assert ulp_error(y[e, :valid].cpu(), xd.double() @ wd[e].cpu().t(), dtype, "masked_w4a4") <= 2
+
+
+# ----------------------------------------------------------------------------------------------
+# config selection
+# ----------------------------------------------------------------------------------------------
+
+def test_config_selection_from_json(tmp_path, monkeypatch):
+    table = {"device": "x", "dense": {"N=256,K=512": {"4": {"bm": 8, "v2": True, "split_k": 4},
+                                                      "64": {"bm": 64, "bn": 128, "num_warps": 8}}}}
+    (tmp_path / f"{gsel.device_key()}.json").write_text(__import__("json").dumps(table))
+    monkeypatch.setenv(gsel.ENV_CONFIG_DIR, str(tmp_path))
+    gsel.clear_cache()
+    try:
+        assert select_config("dense", 1, 256, 512) == W4Config(bm=8, v2=True, split_k=4)
+        assert select_config("dense", 4, 256, 512).split_k == 4
+        assert select_config("dense", 5, 256, 512).bm == 64
+        assert select_config("dense", 5000, 256, 512).bm == 64           # beyond the largest bucket
+        assert select_config("dense", 5, 256, 1024) == gsel.heuristic("dense", 5, 256, 1024)
+    finally:
+        monkeypatch.delenv(gsel.ENV_CONFIG_DIR)
+        gsel.clear_cache()
+
+
+def test_heuristics_are_valid_for_the_target_shapes():
+    for m in (1, 4, 16, 64, 256, 1024, 4096):
+        for n, k in [(6144, 4096), (28672, 4096), (4096, 14336), (7168, 2048), (2048, 7168)]:
+            c = gsel.heuristic("dense", m, n, k)
+            assert c.bm >= min(m, 8) or c.bm == 8
+            assert c.split_k >= 1
+        for e, n, k in [(128, 1536, 2048), (128, 2048, 768), (256, 4096, 7168), (256, 7168, 2048)]:
+            gsel.heuristic("grouped", m * 8, n, k, e)
+            gsel.heuristic("masked", min(m, 256), n, k, e)
+    for kind, entries in gsel.load_table(gsel.device_key()).items() if gsel.load_table(gsel.device_key()) else []:
+        assert kind in gsel.KINDS
+
+
+def test_shipped_config_files_parse():
+    import json
+    for path in gsel.CONFIG_DIR.glob("*.json"):
+        table = json.loads(path.read_text())
+        for kind in gsel.KINDS:
+            for shape, buckets in table.get(kind, {}).items():
+                for b, c in buckets.items():
+                    W4Config.from_json(c)
+                    int(b)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: larger shapes, CUDA graphs, determinism
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 16, 37, 64, 256, 1000])
+@pytest.mark.parametrize("n,k", [(1024, 2048), (4096, 1024), (1000, 4112)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_dense_shapes(m, n, k, dtype):
+    w = make_weight((), n, k, seed=m + n)
+    p = prepack(w, dtype)
+    x = act((m, k), dtype, seed=k)
+    y_ref = dense_ref(x, w)
+    assert ulp_error(w4_linear(x, p), y_ref, dtype, f"gpu_dense/{dtype}") <= 2
+    for cfg in (V2_8, V2_16, V3_16, BN128, W4Config(bn=128, bm=128, bk=64, num_warps=8, num_stages=4),
+                W4Config(bn=64, bm=8, bk=256, v2=True, split_k=8), W4Config(dequant_mm=True)):
+        assert ulp_error(w4_linear(x, p, config=cfg), y_ref, dtype, f"gpu_dense/{dtype}") <= 2, cfg
+
+
+@pytest.mark.gpu
+def test_gpu_split_k_deterministic_and_graph_capturable():
+    w = make_weight((), 2048, 4096, seed=1)
+    p = prepack(w, torch.bfloat16)
+    x = act((4, 4096), torch.bfloat16, seed=2)
+    cfg = W4Config(bn=64, bm=8, bk=256, v2=True, split_k=8)
+    y1 = w4_linear(x, p, config=cfg)
+    y2 = w4_linear(x, p, config=cfg)
+    assert torch.equal(y1, y2)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg = w4_linear(x, p, config=cfg)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg, y1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 64, 300])
+def test_gpu_grouped_moe_shapes(tokens):
+    num_e, top_k, h, inter = 16, 4, 1024, 384
+    dtype = torch.bfloat16
+    w13 = make_weight((num_e,), 2 * inter, h, seed=5)
+    w2 = make_weight((num_e,), h, inter, seed=6)
+    p13, p2 = prepack(w13, dtype), prepack(w2, dtype)
+    pair, offsets, token, topk_w = routing(tokens, num_e, top_k, seed=tokens)
+    x = act((tokens, h), dtype, seed=8)
+    up = w4_grouped(x, p13, offsets, gather_idx=token)
+    y_ref = grouped_ref(x, w13, offsets, gather=token)
+    assert ulp_error(up.cpu(), y_ref, dtype, "gpu_grouped") <= 2
+    a = nx.silu_and_mul_fp32(up)
+    down = w4_grouped(a, p2, offsets, scatter_idx=pair, row_scale=topk_w, num_out_rows=tokens * top_k)
+    y_ref2 = grouped_ref(a, w2, offsets, scatter=pair, row_scale=topk_w, n_out=tokens * top_k)
+    assert ulp_error(down.cpu(), y_ref2, dtype, "gpu_grouped") <= 2
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        up_g = w4_grouped(x, p13, offsets, gather_idx=token)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(up_g, up)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_m", [8, 64, 256])
+def test_gpu_masked_shapes(max_m):
+    num_e, n, k = 8, 1024, 2048
+    dtype = torch.bfloat16
+    w = make_weight((num_e,), n, k, seed=max_m)
+    p = prepack(w, dtype)
+    x = act((num_e, max_m, k), dtype, seed=1)
+    mask = torch.tensor([0, max_m, 1, max_m // 2, 3, max_m, 7, 2 * max_m], dtype=torch.int32, device=DEV)
+    out = torch.full((num_e, max_m, n), 5.0, dtype=dtype, device=DEV)
+    w4_masked(x, p, mask, out=out)
+    wd = w.dequantize(torch.float64)
+    for e in range(num_e):
+        v = min(int(mask[e]), max_m)
+        assert ulp_error(out[e, :v], x[e, :v].double() @ wd[e].t(), dtype, "gpu_masked") <= 2
+        assert (out[e, v:] == 5).all()
+
+
+@pytest.mark.gpu
+def test_gpu_uses_compiled_kernels():
+    assert not triton_w4.INTERPRET
+
+
+# ----------------------------------------------------------------------------------------------
+# the whole MoE from the grouped GEMM, against reference.nvfp4_fused_moe
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_fused_moe_matches_reference(mode):
+    from nvfp4_plugin.gemm import w4_fused_moe
+    num_e, h, inter, tokens, top_k = 4, 64, 32, 6, 2
+    dtype = torch.bfloat16
+    w13 = make_weight((num_e,), 2 * inter, h, seed=81)
+    w2 = make_weight((num_e,), h, inter, seed=82)
+    x = act((tokens, h), dtype, seed=83)
+    g = torch.Generator().manual_seed(84)
+    logits = torch.randn(tokens, num_e, generator=g)
+    logits[:, 3] = -9  # one expert never routed
+    topk_w, topk_ids = ref.route_topk(logits, top_k)
+    topk_w, topk_ids = topk_w.to(DEV), topk_ids.to(DEV)
+    kw = {}
+    if mode == "w4a4":
+        kw = dict(a13_global_scale=torch.tensor([30.0, 40.0, 50.0, 60.0], device=DEV),
+                  a2_global_scale=torch.tensor([300.0, 400.0, 500.0, 600.0], device=DEV))
+    y = w4_fused_moe(x, prepack(w13, dtype), prepack(w2, dtype), topk_w, topk_ids, mode=mode, **kw)
+    y_ref = ref.nvfp4_fused_moe(x.cpu(), w13.packed.cpu(), w13.block_scale.cpu(), w13.global_scale.cpu(),
+                                w2.packed.cpu(), w2.block_scale.cpu(), w2.global_scale.cpu(), topk_w.cpu(),
+                                topk_ids.cpu(), mode=mode, **{k: v.cpu() for k, v in kw.items()})
+    # both round the intermediate activations: differences of one rounding can propagate, so compare
+    # relative to the output scale with a few ulps
+    assert ulp_error(y.cpu(), y_ref.double(), dtype, f"_fused_moe_{mode}") <= 4
+
+
+@pytest.mark.gpu
+def test_gpu_fused_moe_and_graph():
+    from nvfp4_plugin.gemm import w4_fused_moe
+    num_e, h, inter, tokens, top_k = 32, 1024, 512, 48, 4
+    dtype = torch.bfloat16
+    w13 = make_weight((num_e,), 2 * inter, h, seed=91)
+    w2 = make_weight((num_e,), h, inter, seed=92)
+    p13, p2 = prepack(w13, dtype), prepack(w2, dtype)
+    x = act((tokens, h), dtype, seed=93)
+    topk_w, topk_ids = ref.route_topk(torch.randn(tokens, num_e, device=DEV), top_k)
+    y = w4_fused_moe(x, p13, p2, topk_w, topk_ids)
+    y_ref = ref.nvfp4_fused_moe(x, w13.packed, w13.block_scale, w13.global_scale, w2.packed, w2.block_scale,
+                                w2.global_scale, topk_w, topk_ids)
+    assert ulp_error(y, y_ref.double(), dtype, "_gpu_fused_moe") <= 4
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg = w4_fused_moe(x, p13, p2, topk_w, topk_ids)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg, y)
