@@ -6,23 +6,68 @@ backend's prepared state as ``tensors`` (a flat dict, which the adapters registe
 the engine's module, as torch.compile and CUDA graphs expect) and ``meta`` (static, non-tensor).
 The forward passes the tensors back in. Which kernel runs is the backend's business
 (``base.select_backend``).
+
+Every forward goes through one torch custom op per layer kind (``torch.ops.nvfp4_layers.linear`` /
+``.fused_moe``, apart from the compiled kernels' namespace) with a fake implementation, so torch.compile treats the backend as opaque (config
+selection, Triton launches) and CUDA graphs capture whatever it launches.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..weights import Nvfp4Weight
+from .backends.hopper import HopperLinear, HopperMoe
 from .backends.reference import ReferenceLinear, ReferenceMoe
 from .base import (ENV_LINEAR_BACKEND, ENV_MOE_BACKEND, Backend, LinearSpec, MoeSpec, resolve_mode,
                    select_backend)
 
-#: Priority order, fastest first. Faster backends insert themselves ahead of the reference.
-LINEAR_BACKENDS: list[type[Backend]] = [ReferenceLinear]
-MOE_BACKENDS: list[type[Backend]] = [ReferenceMoe]
+#: Priority order, fastest first; the reference is always last.
+LINEAR_BACKENDS: list[type[Backend]] = [HopperLinear, ReferenceLinear]
+MOE_BACKENDS: list[type[Backend]] = [HopperMoe, ReferenceMoe]
+
+# layer key -> (backend, meta, tensor names in op-argument order, output features)
+_LAYERS: dict[int, tuple] = {}
+_KEYS = itertools.count()
 
 
-class Nvfp4Linear:
+@torch.library.custom_op("nvfp4_layers::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, tensors: list[torch.Tensor], bias: torch.Tensor | None, key: int) -> torch.Tensor:
+    backend, meta, names, _ = _LAYERS[key]
+    return backend.apply(dict(zip(names, tensors)), meta, x, bias)
+
+
+@_linear_op.register_fake
+def _(x, tensors, bias, key):
+    return x.new_empty((*x.shape[:-1], _LAYERS[key][3]))
+
+
+@torch.library.custom_op("nvfp4_layers::fused_moe", mutates_args=())
+def _moe_op(x: torch.Tensor, tensors: list[torch.Tensor], topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            key: int) -> torch.Tensor:
+    backend, meta, names, _ = _LAYERS[key]
+    return backend.apply(dict(zip(names, tensors)), meta, x, topk_weights, topk_ids)
+
+
+@_moe_op.register_fake
+def _(x, tensors, topk_weights, topk_ids, key):
+    return torch.empty_like(x)
+
+
+class _Layer:
+    def _register(self, out_features: int) -> None:
+        self.key = next(_KEYS)
+        self.names = list(self.tensors)
+        _LAYERS[self.key] = (self.backend, self.meta, self.names, out_features)
+
+    def _args(self, tensors: dict | None) -> list[torch.Tensor]:
+        t = self.tensors if tensors is None else tensors
+        return [t[n] for n in self.names]
+
+
+class Nvfp4Linear(_Layer):
     """``y = x @ W^T + b`` for one NVFP4 weight (fused shards included), on the selected backend."""
 
     def __init__(self, weight: Nvfp4Weight, input_global_scale: torch.Tensor | None = None,
@@ -30,13 +75,14 @@ class Nvfp4Linear:
         self.mode = resolve_mode(input_global_scale is not None)
         spec = LinearSpec(weight.n, weight.k, act_dtype, self.mode, weight.packed.device)
         self.backend = select_backend("linear", LINEAR_BACKENDS, spec, ENV_LINEAR_BACKEND)
-        self.tensors, self.meta = self.backend.prepare(weight, input_global_scale, self.mode)
+        self.tensors, self.meta = self.backend.prepare(spec, weight, input_global_scale)
+        self._register(weight.n)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, tensors: dict | None = None) -> torch.Tensor:
-        return self.backend.apply(self.tensors if tensors is None else tensors, self.meta, x, bias)
+        return _linear_op(x, self._args(tensors), bias, self.key)
 
 
-class Nvfp4FusedMoE:
+class Nvfp4FusedMoE(_Layer):
     """Routed experts with SiLU-and-mul: ``sum_k w_k * W2[e_k] silu_mul(W13[e_k] x)``."""
 
     def __init__(self, w13: Nvfp4Weight, w2: Nvfp4Weight, a13_global_scale: torch.Tensor | None = None,
@@ -50,11 +96,12 @@ class Nvfp4FusedMoE:
         self.mode = resolve_mode(a13_global_scale is not None and a2_global_scale is not None)
         spec = MoeSpec(e, h, two_i // 2, act_dtype, self.mode, w13.packed.device)
         self.backend = select_backend("moe", MOE_BACKENDS, spec, ENV_MOE_BACKEND)
-        self.tensors, self.meta = self.backend.prepare(w13, w2, a13_global_scale, a2_global_scale, self.mode)
+        self.tensors, self.meta = self.backend.prepare(spec, w13, w2, a13_global_scale, a2_global_scale)
+        self._register(h)
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  tensors: dict | None = None) -> torch.Tensor:
-        return self.backend.apply(self.tensors if tensors is None else tensors, self.meta, x, topk_weights, topk_ids)
+        return _moe_op(x, self._args(tensors), topk_weights, topk_ids, self.key)
 
 
 __all__ = ["Nvfp4Linear", "Nvfp4FusedMoE", "LINEAR_BACKENDS", "MOE_BACKENDS", "Nvfp4Weight"]

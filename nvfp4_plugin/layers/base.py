@@ -59,8 +59,8 @@ class Backend:
         """None if this backend handles ``spec`` (shape, dtype, mode), else why not."""
         return None
 
-    def prepare(self, *args, **kwargs) -> tuple[dict[str, torch.Tensor], Any]:
-        """Load time, once: repack weights; returns (tensors by name, static metadata)."""
+    def prepare(self, spec, *args, **kwargs) -> tuple[dict[str, torch.Tensor], Any]:
+        """Load time, once: repack weights for ``spec``; returns (tensors by name, static metadata)."""
         raise NotImplementedError
 
     def apply(self, tensors: dict[str, torch.Tensor], meta: Any, *args, **kwargs) -> torch.Tensor:

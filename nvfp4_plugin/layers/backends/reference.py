@@ -41,7 +41,8 @@ def _weight_tensors(prefix: str, w: Nvfp4Weight) -> dict[str, torch.Tensor]:
 class ReferenceLinear(Backend):
     name = "reference"
 
-    def prepare(self, weight: Nvfp4Weight, input_global_scale: torch.Tensor | None, mode: str):
+    def prepare(self, spec, weight: Nvfp4Weight, input_global_scale: torch.Tensor | None):
+        mode = spec.mode
         t = _weight_tensors("w_", weight)
         t["e2m1_table"] = _e2m1_table(weight.packed.device)
         if mode == "w4a4":
@@ -58,7 +59,8 @@ class ReferenceLinear(Backend):
 class ReferenceMoe(Backend):
     name = "reference"
 
-    def prepare(self, w13: Nvfp4Weight, w2: Nvfp4Weight, a13_global_scale, a2_global_scale, mode: str):
+    def prepare(self, spec, w13: Nvfp4Weight, w2: Nvfp4Weight, a13_global_scale, a2_global_scale):
+        mode = spec.mode
         t = {**_weight_tensors("w13_", w13), **_weight_tensors("w2_", w2)}
         t["e2m1_table"] = _e2m1_table(w13.packed.device)
         if mode == "w4a4":
