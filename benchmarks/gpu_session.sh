@@ -2,7 +2,8 @@
 # One GPU-machine call that runs the named steps and packs every log and result into $OUT/session.tgz
 # (the device tool returns at most 8 files). Usage: bash benchmarks/gpu_session.sh STEP...
 #   build     build nvfp4_plugin._C for sm_90a in place (system torch)
-#   tests     every gpu-marked test (pytest -m gpu)
+#   tests     every gpu-marked test (pytest -m gpu), or those in $GPU_TESTS
+#   pytest    all tests (any marker) of the files in $PYTEST_FILES, on the GPU
 #   sanitize  compute-sanitizer memcheck + racecheck over the compiled ops
 #   bench-quant / bench-triton / bench-gemm / tune-gemm / bench-quantize   the benchmark scripts
 set -uo pipefail
@@ -24,6 +25,7 @@ for s in "$@"; do
   case "$s" in
     build) step build python3 setup.py build_ext --inplace ;;
     tests) NVFP4_PLUGIN_REQUIRE_EXT=1 step tests python3 -m pytest -q -rs -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} ;;
+    pytest) NVFP4_PLUGIN_REQUIRE_EXT=1 step pytest python3 -m pytest -q -rs -p no:cacheprovider $PYTEST_FILES ;;
     sanitize)
       step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py
       step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py ;;

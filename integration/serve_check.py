@@ -110,6 +110,8 @@ def run(args) -> dict:
     result["exit_code"] = proc.returncode
     text = open(log_path, errors="replace").read()
     result["log_tail"] = text[-4000:]
+    if args.expect_fail is not None:
+        result["log_has_expected_text"] = args.expect_fail in text
     result["log_names_nvfp4_plugin"] = "nvfp4_plugin" in text
     result["log_backend_lines"] = [ln[-300:] for ln in text.splitlines() if "nvfp4_plugin:" in ln][:10]
     return result
@@ -132,10 +134,10 @@ def main() -> int:
     res = run(args)
     ok = "error" not in res and res.get("exit_code") is not None
     if args.expect_fail is not None:
-        ok = "completion" not in res and res["exit_code"] not in (0, None) and args.expect_fail in res["log_tail"]
+        ok = "completion" not in res and res["exit_code"] not in (0, None) and res["log_has_expected_text"]
         res["expected_failure_seen"] = ok
     else:
-        ok = "completion" in res
+        ok = "completion" in res and (not args.quantization or args.quantization != "nvfp4" or res["log_names_nvfp4_plugin"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -68,8 +68,9 @@ def activations(m: int, k: int, dtype, seed: int, device="cuda", specials: bool 
 def assert_same_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
-    a = got.detach().contiguous().view(torch.uint8).cpu()
-    b = want.detach().contiguous().view(torch.uint8).cpu()
+    # copy into fresh default-strided tensors: .contiguous() keeps odd strides on size-1 dims
+    a = torch.empty(got.shape, dtype=got.dtype).copy_(got.detach().cpu()).view(torch.uint8)
+    b = torch.empty(want.shape, dtype=want.dtype).copy_(want.detach().cpu()).view(torch.uint8)
     bad = (a != b).nonzero()
     assert bad.numel() == 0, f"{what}: {bad.shape[0]} bytes differ, first at {bad[0].tolist()}: {a[tuple(bad[0])]} != " \
                              f"{b[tuple(bad[0])]}"
