@@ -5,6 +5,7 @@
 #   llama       serve the Llama checkpoints: ours (both formats; default backends, and the reference
 #               backend), vLLM's built-in modelopt_fp4, bf16
 #   moe         the same for Qwen3-MoE (no bf16)
+#   cachecheck  serve one checkpoint with the default backend, then with the reference backend
 #   corrupt     a checkpoint with a missing scale tensor and one with an inf global scale must fail cleanly
 # Results (one JSON per server, logs) are packed into $OUT/e2e.tgz.
 set -uo pipefail
@@ -41,6 +42,10 @@ for s in "$@"; do
         serve "$arch-ours-modelopt-reference" "$M/$arch-modelopt" --quantization nvfp4
       serve "$arch-builtin-modelopt" "$M/$arch-modelopt"
       [ "$s" = llama ] && serve "$arch-bf16" "$M/$arch-bf16" ;;
+    cachecheck)  # the reference backend after a default-backend run of the same model (vLLM's compile cache)
+      serve "llama-ours-modelopt" "$M/llama-modelopt" --quantization nvfp4
+      NVFP4_PLUGIN_LINEAR_BACKEND=reference NVFP4_PLUGIN_MOE_BACKEND=reference \
+        serve "llama-ours-modelopt-reference" "$M/llama-modelopt" --quantization nvfp4 ;;
     corrupt)
       rm -rf "$M/bad1" "$M/bad2"; cp -r "$M/llama-modelopt" "$M/bad1"; cp -r "$M/llama-modelopt" "$M/bad2"
       python3 integration/corrupt_checkpoint.py "$M/bad1" drop-tensor model.layers.0.self_attn.k_proj.weight_scale

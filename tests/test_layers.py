@@ -62,3 +62,22 @@ def test_moe_matches_reference(mode, monkeypatch):
     assert err < (1e-2 if mode == "w4a16" else 3e-2)
     with pytest.raises(ValueError, match="w2: expected"):
         Nvfp4FusedMoE(w13, Nvfp4Weight.quantize(torch.randn(e, h, 2 * inter)))
+
+
+def test_forward_ops_take_the_layer_key_not_its_tensors():
+    """A compiled graph must not depend on which backend prepared a layer (engines cache graphs on
+    disk keyed without our backend choice): the custom op's arguments are x, bias and the key."""
+    import torch.library  # noqa: F401
+
+    schema = str(torch.ops.nvfp4_layers.linear.default._schema)
+    assert schema.startswith("nvfp4_layers::linear(Tensor x, Tensor? bias, SymInt key)") or \
+        schema.startswith("nvfp4_layers::linear(Tensor x, Tensor? bias, int key)"), schema
+    w = Nvfp4Weight.quantize(torch.randn(16, 32))
+    layer = Nvfp4Linear(w)
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    y = layer(x)
+    params = {k: torch.nn.Parameter(v.clone(), requires_grad=False) for k, v in layer.tensors.items()}
+    layer.use_tensors(params)
+    assert torch.equal(layer(x), y)
+    with pytest.raises(ValueError, match="tensors: expected keys"):
+        layer.use_tensors({})

@@ -17,7 +17,7 @@ from ..checkpoints.errors import problem
 from ..weights import Nvfp4Weight
 
 __all__ = ["CheckpointError", "Nvfp4QuantConfig", "TensorNames", "build_weight", "input_scales", "is_layer_excluded",
-           "layer_tensor_names", "parse_quant_config", "prepared_tensors", "register_prepared"]
+           "layer_tensor_names", "parse_quant_config", "register_prepared"]
 
 
 @dataclass(frozen=True)
@@ -74,11 +74,13 @@ def is_layer_excluded(cfg: Nvfp4QuantConfig, prefix: str, packed_modules_mapping
     return cfg.is_fused_excluded(prefix, [prefix[: -len(proj)] + s for s in shards])
 
 
-def register_prepared(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Attach a backend's prepared tensors to the engine's module as frozen parameters."""
-    for key, t in tensors.items():
-        module.register_parameter(f"nvfp4_{key}", torch.nn.Parameter(t, requires_grad=False))
-
-
-def prepared_tensors(module: torch.nn.Module, template: dict) -> dict[str, torch.Tensor]:
-    return {key: getattr(module, f"nvfp4_{key}") for key in template}
+def register_prepared(module: torch.nn.Module, core) -> None:
+    """Attach a prepared layer's tensors to the engine's module as frozen parameters (memory
+    accounting, device moves) and point the layer at those parameter objects."""
+    params = {}
+    for key, t in core.tensors.items():
+        p = torch.nn.Parameter(t, requires_grad=False)
+        module.register_parameter(f"nvfp4_{key}", p)
+        params[key] = p
+    core.use_tensors(params)
+    module.nvfp4_core = core

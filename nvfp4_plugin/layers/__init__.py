@@ -24,47 +24,58 @@ from .backends.reference import ReferenceLinear, ReferenceMoe
 from .base import (ENV_LINEAR_BACKEND, ENV_MOE_BACKEND, Backend, LinearSpec, MoeSpec, resolve_mode,
                    select_backend)
 
+
+class _Layer:
+    """A prepared layer: ``backend``, ``tensors`` (name -> tensor; adapters may swap in their module
+    parameters holding the same data, see :meth:`use_tensors`) and static ``meta``."""
+
+    backend: Backend
+    tensors: dict
+    meta: object
+    out_features: int
+
+    def _register(self, out_features: int) -> None:
+        self.out_features = out_features
+        self.key = next(_KEYS)
+        _LAYERS[self.key] = self
+
+    def use_tensors(self, tensors: dict) -> None:
+        """Replace the prepared tensors by objects holding the same data (e.g. module parameters)."""
+        if set(tensors) != set(self.tensors):
+            raise ValueError(f"tensors: expected keys {sorted(self.tensors)}, got {sorted(tensors)}")
+        self.tensors = dict(tensors)
+
 #: Priority order, fastest first; the reference is always last.
 LINEAR_BACKENDS: list[type[Backend]] = [HopperLinear, ReferenceLinear]
 MOE_BACKENDS: list[type[Backend]] = [HopperMoe, ReferenceMoe]
 
-# layer key -> (backend, meta, tensor names in op-argument order, output features)
-_LAYERS: dict[int, tuple] = {}
+# layer key -> the layer object. The custom ops take the key, not the tensors: a graph compiled by
+# torch.compile (and cached on disk by the engines, whose cache keys know nothing of our backend
+# choice) then never depends on which backend prepared the layer or on its tensor names.
+_LAYERS: dict[int, _Layer] = {}
 _KEYS = itertools.count()
 
 
 @torch.library.custom_op("nvfp4_layers::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, tensors: list[torch.Tensor], bias: torch.Tensor | None, key: int) -> torch.Tensor:
-    backend, meta, names, _ = _LAYERS[key]
-    return backend.apply(dict(zip(names, tensors)), meta, x, bias)
+def _linear_op(x: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
+    layer = _LAYERS[key]
+    return layer.backend.apply(layer.tensors, layer.meta, x, bias)
 
 
 @_linear_op.register_fake
-def _(x, tensors, bias, key):
-    return x.new_empty((*x.shape[:-1], _LAYERS[key][3]))
+def _(x, bias, key):
+    return x.new_empty((*x.shape[:-1], _LAYERS[key].out_features))
 
 
 @torch.library.custom_op("nvfp4_layers::fused_moe", mutates_args=())
-def _moe_op(x: torch.Tensor, tensors: list[torch.Tensor], topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-            key: int) -> torch.Tensor:
-    backend, meta, names, _ = _LAYERS[key]
-    return backend.apply(dict(zip(names, tensors)), meta, x, topk_weights, topk_ids)
+def _moe_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, key: int) -> torch.Tensor:
+    layer = _LAYERS[key]
+    return layer.backend.apply(layer.tensors, layer.meta, x, topk_weights, topk_ids)
 
 
 @_moe_op.register_fake
-def _(x, tensors, topk_weights, topk_ids, key):
+def _(x, topk_weights, topk_ids, key):
     return torch.empty_like(x)
-
-
-class _Layer:
-    def _register(self, out_features: int) -> None:
-        self.key = next(_KEYS)
-        self.names = list(self.tensors)
-        _LAYERS[self.key] = (self.backend, self.meta, self.names, out_features)
-
-    def _args(self, tensors: dict | None) -> list[torch.Tensor]:
-        t = self.tensors if tensors is None else tensors
-        return [t[n] for n in self.names]
 
 
 class Nvfp4Linear(_Layer):
@@ -78,8 +89,8 @@ class Nvfp4Linear(_Layer):
         self.tensors, self.meta = self.backend.prepare(spec, weight, input_global_scale)
         self._register(weight.n)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, tensors: dict | None = None) -> torch.Tensor:
-        return _linear_op(x, self._args(tensors), bias, self.key)
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _linear_op(x, bias, self.key)
 
 
 class Nvfp4FusedMoE(_Layer):
@@ -99,9 +110,8 @@ class Nvfp4FusedMoE(_Layer):
         self.tensors, self.meta = self.backend.prepare(spec, w13, w2, a13_global_scale, a2_global_scale)
         self._register(h)
 
-    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                 tensors: dict | None = None) -> torch.Tensor:
-        return _moe_op(x, self._args(tensors), topk_weights, topk_ids, self.key)
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return _moe_op(x, topk_weights, topk_ids, self.key)
 
 
 __all__ = ["Nvfp4Linear", "Nvfp4FusedMoE", "LINEAR_BACKENDS", "MOE_BACKENDS", "Nvfp4Weight"]

@@ -12,7 +12,7 @@ from sglang.srt.layers.parameter import ModelWeightParameter, PerTensorScalePara
 from sglang.srt.layers.quantization.base_config import LinearMethodBase
 
 from ...layers import Nvfp4Linear
-from ..common import build_weight, input_scales, layer_tensor_names, prepared_tensors, register_prepared
+from ..common import build_weight, input_scales, layer_tensor_names, register_prepared
 from .loading import check_all_loaded, e4m3_bytes, linear_loader
 
 
@@ -65,9 +65,8 @@ class Nvfp4SglangLinearMethod(LinearMethodBase):
         core = Nvfp4Linear(weight, input_gs, act_dtype=layer.nvfp4_act_dtype)
         for name in (nm.weight, nm.block_scale, nm.weight_global, nm.input_global):
             delattr(layer, name)
-        register_prepared(layer, core.tensors)
-        layer.nvfp4_core = core
+        register_prepared(layer, core)
         del layer.nvfp4_loaded
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return layer.nvfp4_core(x, bias, prepared_tensors(layer, layer.nvfp4_core.tensors))
+        return layer.nvfp4_core(x, bias)

@@ -16,7 +16,7 @@ from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from ...checkpoints.errors import problem
 from ...layers import Nvfp4FusedMoE
-from ..common import (CheckpointError, build_weight, input_scales, layer_tensor_names, prepared_tensors,
+from ..common import (CheckpointError, build_weight, input_scales, layer_tensor_names,
                       register_prepared)
 from .loading import e4m3_bytes, expert_loader
 
@@ -117,8 +117,7 @@ class Nvfp4SglangFusedMoEMethod(FusedMoEMethodBase):
         for part in ("w13_", "w2_"):
             for name in (nm.weight, nm.block_scale, nm.weight_global, nm.input_global):
                 delattr(layer, part + name)
-        register_prepared(layer, core.tensors)
-        layer.nvfp4_core = core
+        register_prepared(layer, core)
 
     def apply(self, layer: torch.nn.Module, dispatch_output):
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
@@ -135,8 +134,7 @@ class Nvfp4SglangFusedMoEMethod(FusedMoEMethodBase):
             local = topk_ids >= 0
             topk_weights = torch.where(local, topk_weights, torch.zeros_like(topk_weights))
             topk_ids = topk_ids.clamp(min=0)
-        out = layer.nvfp4_core(dispatch_output.hidden_states, topk_weights, topk_ids,
-                               prepared_tensors(layer, layer.nvfp4_core.tensors))
+        out = layer.nvfp4_core(dispatch_output.hidden_states, topk_weights, topk_ids)
         # like SGLang's Triton runner: the routed scaling factor is applied by the experts unless top-k
         # already folded it into the weights
         rsf = self.moe_runner_config.routed_scaling_factor

@@ -7,7 +7,7 @@ from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
 
 from ...layers import Nvfp4Linear
-from ..common import build_weight, input_scales, layer_tensor_names, prepared_tensors, register_prepared
+from ..common import build_weight, input_scales, layer_tensor_names, register_prepared
 
 
 class Nvfp4VllmLinearMethod(LinearMethodBase):
@@ -50,8 +50,7 @@ class Nvfp4VllmLinearMethod(LinearMethodBase):
         core = Nvfp4Linear(weight, input_gs, act_dtype=layer.nvfp4_act_dtype)
         for name in (nm.weight, nm.block_scale, nm.weight_global, nm.input_global):
             delattr(layer, name)
-        register_prepared(layer, core.tensors)
-        layer.nvfp4_core = core
+        register_prepared(layer, core)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return layer.nvfp4_core(x, bias, prepared_tensors(layer, layer.nvfp4_core.tensors))
+        return layer.nvfp4_core(x, bias)

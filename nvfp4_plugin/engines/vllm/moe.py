@@ -14,7 +14,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from ...layers import Nvfp4FusedMoE
 from ...checkpoints.errors import problem
-from ..common import CheckpointError, build_weight, input_scales, layer_tensor_names, prepared_tensors, register_prepared
+from ..common import CheckpointError, build_weight, input_scales, layer_tensor_names, register_prepared
 
 
 class Nvfp4VllmFusedMoEMethod(FusedMoEMethodBase):
@@ -82,8 +82,7 @@ class Nvfp4VllmFusedMoEMethod(FusedMoEMethodBase):
         for part in ("w13_", "w2_"):
             for name in (nm.weight, nm.block_scale, nm.weight_global, nm.input_global):
                 delattr(layer, part + name)
-        register_prepared(layer, core.tensors)
-        layer.nvfp4_core = core
+        register_prepared(layer, core)
 
     def get_fused_moe_quant_config(self, layer):
         return None
@@ -100,4 +99,4 @@ class Nvfp4VllmFusedMoEMethod(FusedMoEMethodBase):
             local = expert_map[topk_ids.long()]
             topk_weights = torch.where(local >= 0, topk_weights, torch.zeros_like(topk_weights))
             topk_ids = local.clamp(min=0)
-        return layer.nvfp4_core(x, topk_weights, topk_ids, prepared_tensors(layer, layer.nvfp4_core.tensors))
+        return layer.nvfp4_core(x, topk_weights, topk_ids)
