@@ -169,10 +169,16 @@ def scaled_fp4_experts_quant(input: torch.Tensor, input_global_scale: torch.Tens
     packed = torch.where(valid[:, None], packed, torch.zeros_like(packed))
 
     rows_total = nx.max_blockscale_rows(m, e)
-    linear = torch.zeros((rows_total, nx.round_up(kb, 4)), dtype=torch.uint8, device=input.device)
+    kp = nx.round_up(kb, 4)
     dest = blockscale_offsets.to(torch.int64)[ex] + (torch.arange(m, device=input.device) - expert_offsets.to(torch.int64)[ex])
-    linear[dest[valid], :kb] = scales.view(torch.uint8)[valid]
-    return packed, nx.swizzle_blockscale(linear.view(torch.float8_e4m3fn))
+    # rows of no expert go to a spare last row that is dropped: no boolean indexing, so no host sync
+    # (this reference is the fallback inside CUDA-graph-captured MoE forwards on machines without
+    # the compiled kernels)
+    dest = torch.where(valid, dest, torch.full_like(dest, rows_total))
+    src = torch.zeros((m, kp), dtype=torch.uint8, device=input.device)
+    src[:, :kb] = scales.view(torch.uint8)
+    linear = torch.zeros((rows_total + 1, kp), dtype=torch.uint8, device=input.device).index_copy_(0, dest, src)
+    return packed, nx.swizzle_blockscale(linear[:rows_total].view(torch.float8_e4m3fn))
 
 
 def silu_and_mul(input: torch.Tensor) -> torch.Tensor:

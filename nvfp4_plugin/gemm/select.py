@@ -17,6 +17,7 @@ largest one beyond it). A shape with no entry uses :func:`heuristic`.
 
 from __future__ import annotations
 
+
 import functools
 import json
 import logging
@@ -191,12 +192,25 @@ def heuristic(kind: str, m: int, n: int, k: int, e: int = 1, sms: int = 132) -> 
     return cfg
 
 
+#: Largest token tile allowed. Programs with bm >= 128 (wgmma, 8 warps) gave wrong results on the
+#: H200 once the grid spans several waves (dense N=4096, M>=1000: up to 1e25 ulps, varying from run
+#: to run: a race not yet found; benchmarks/diag_gemm_tiles.py reproduces it). Until it is fixed,
+#: such configs are narrowed to bm=64, which was correct everywhere.
+MAX_SAFE_BM = 64
+
+
+def safe(cfg: W4Config) -> W4Config:
+    if cfg.dequant_mm or cfg.bm <= MAX_SAFE_BM:
+        return cfg
+    return replace(cfg, bm=MAX_SAFE_BM)
+
+
 @functools.lru_cache(maxsize=4096)
 def _select_cached(kind: str, m: int, n: int, k: int, e: int, dev_key: str, sms: int) -> W4Config:
     table = load_table(dev_key).get(kind, {})
     bucket_size = m
     cfg = _lookup(table.get(shape_key(kind, n, k, e), {}), bucket_size)
-    return cfg if cfg is not None else heuristic(kind, m, n, k, e, sms)
+    return safe(cfg if cfg is not None else heuristic(kind, m, n, k, e, sms))
 
 
 def select_config(kind: str, m: int, n: int, k: int, e: int = 1, device: torch.device | None = None) -> W4Config:
