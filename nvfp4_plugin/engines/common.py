@@ -84,3 +84,66 @@ def register_prepared(module: torch.nn.Module, core) -> None:
         params[key] = p
     core.use_tensors(params)
     module.nvfp4_core = core
+
+
+def finish_linear(module: torch.nn.Module, prefix: str, fmt: str, shard_sizes, act_dtype: torch.dtype) -> None:
+    """After loading: the module's checkpoint parameters (names of ``fmt``) -> Nvfp4Linear, attached
+    to the module; the checkpoint parameters are removed."""
+    from ..layers import Nvfp4Linear
+
+    nm = layer_tensor_names(fmt)
+    weight = build_weight(prefix, fmt, getattr(module, nm.weight).data, getattr(module, nm.block_scale).data,
+                          getattr(module, nm.weight_global).data, shard_sizes)
+    # one activation scale for the fused input: the smallest encode scale (largest amax) never saturates
+    input_gs = input_scales(prefix, fmt, getattr(module, nm.input_global).data, num_shards=len(shard_sizes))
+    if input_gs is not None:
+        input_gs = input_gs.reshape(1).to(weight.packed.device)
+    core = Nvfp4Linear(weight, input_gs, act_dtype=act_dtype)
+    for name in (nm.weight, nm.block_scale, nm.weight_global, nm.input_global):
+        delattr(module, name)
+    register_prepared(module, core)
+
+
+def finish_moe(module: torch.nn.Module, prefix: str, fmt: str, act_dtype: torch.dtype) -> None:
+    """After loading: ``w13_*`` / ``w2_*`` checkpoint parameters -> Nvfp4FusedMoE on the module.
+
+    w13 global scales are per expert and shard ``[E, 2]``; activation scales per expert (``[E]``) or
+    per expert and shard (``[E, 2]``: gate and up read the same input, so the smallest encode
+    scale is used)."""
+    from ..layers import Nvfp4FusedMoE
+
+    nm = layer_tensor_names(fmt)
+    get = lambda part, name: getattr(module, f"{part}_{name}").data  # noqa: E731
+    i2 = get("w13", nm.weight).shape[1]
+    w13 = build_weight(f"{prefix}.w13", fmt, get("w13", nm.weight), get("w13", nm.block_scale),
+                       get("w13", nm.weight_global), [i2 // 2, i2 // 2])
+    w2 = build_weight(f"{prefix}.w2", fmt, get("w2", nm.weight), get("w2", nm.block_scale),
+                      get("w2", nm.weight_global)[:, None], [w13.k])
+    a13_loaded = get("w13", nm.input_global)
+    a13 = input_scales(f"{prefix}.w13", fmt, a13_loaded, num_shards=2 if a13_loaded.dim() == 2 else None)
+    a2 = input_scales(f"{prefix}.w2", fmt, get("w2", nm.input_global))
+    if (a13 is None) != (a2 is None):
+        raise CheckpointError(problem(None, prefix, "input scales present for only one of w13/w2 "
+                                                     f"(w13: {a13 is not None}, w2: {a2 is not None})"))
+    if a13 is not None:
+        a13, a2 = a13.to(w13.packed.device), a2.to(w13.packed.device)
+    core = Nvfp4FusedMoE(w13, w2, a13, a2, act_dtype=act_dtype)
+    for part in ("w13", "w2"):
+        for name in (nm.weight, nm.block_scale, nm.weight_global, nm.input_global):
+            delattr(module, f"{part}_{name}")
+    register_prepared(module, core)
+
+
+def override_for(engine_flag: str, name: str, hf_quant_cfg) -> str | None:
+    """The engines' override hook: ``name`` when the user asked for it and the checkpoint is NVFP4,
+    None when the user asked for something else; a clear error for a non-NVFP4 checkpoint."""
+    if engine_flag != name:
+        return None
+    if hf_quant_cfg is None:
+        raise ValueError(f"--quantization {name}: the checkpoint has no quantization_config / hf_quant_config.json; "
+                         "quantize it first with `nvfp4-plugin quantize SRC DST`")
+    try:
+        parse_quant_config(hf_quant_cfg)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"--quantization {name}: the checkpoint is not an NVFP4 checkpoint we can load: {exc}") from exc
+    return name

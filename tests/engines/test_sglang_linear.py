@@ -18,6 +18,7 @@ from sglang.srt.layers.linear import (MergedColumnParallelLinear, QKVParallelLin
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod  # noqa: E402
 
 import nvfp4_plugin.engines.sglang.linear as sgl_linear  # noqa: E402
+from nvfp4_plugin.engines import common as engines_common  # noqa: E402
 from nvfp4_plugin.engines.sglang.config import Nvfp4SglangConfig  # noqa: E402
 from nvfp4_plugin.engines.sglang.linear import Nvfp4SglangLinearMethod  # noqa: E402
 
@@ -68,12 +69,12 @@ def test_max_of_shard_scales_would_fail_these_tests(fmt, cfg, monkeypatch):
     """Mutation check: SGLang's and vLLM's built-in loaders use one global scale per fused layer (the
     max over the shards). Loading that way must break the bound the QKV test asserts."""
     monkeypatch.setenv("NVFP4_PLUGIN_ACT_MODE", "w4a16")
-    real_build = sgl_linear.build_weight
+    real_build = engines_common.build_weight
 
     def build_with_max_of_shards(prefix, fmt_, packed, block_scale, shard_globals, sizes):
         return real_build(prefix, fmt_, packed, block_scale, shard_globals.max().expand(len(sizes)).clone(), sizes)
 
-    monkeypatch.setattr(sgl_linear, "build_weight", build_with_max_of_shards)
+    monkeypatch.setattr(engines_common, "build_weight", build_with_max_of_shards)
     ckpt, x = qkv_case(fmt)
     got = run_qkv(fmt, cfg, 2, ckpt, x)
     expect = dense_reference(fmt, [ckpt[s] for s in "qkv"], x, "w4a16")

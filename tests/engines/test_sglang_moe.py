@@ -12,6 +12,7 @@ import torch
 
 sglang = pytest.importorskip("sglang")
 
+from nvfp4_plugin.engines import common as engines_common  # noqa: E402
 from nvfp4_plugin import reference as ref  # noqa: E402
 from nvfp4_plugin.weights import Nvfp4Weight  # noqa: E402
 
@@ -166,13 +167,13 @@ def test_max_of_gate_up_scales_would_fail_the_moe_test(monkeypatch):
     import nvfp4_plugin.engines.sglang.moe as sgl_moe
 
     monkeypatch.setenv("NVFP4_PLUGIN_ACT_MODE", "w4a16")
-    real_build = sgl_moe.build_weight
+    real_build = engines_common.build_weight
 
     def build_with_max_of_shards(prefix, fmt, packed, block_scale, shard_globals, sizes):
         return real_build(prefix, fmt, packed, block_scale,
                           shard_globals.amax(-1, keepdim=True).expand_as(shard_globals).clone(), sizes)
 
-    monkeypatch.setattr(sgl_moe, "build_weight", build_with_max_of_shards)
+    monkeypatch.setattr(engines_common, "build_weight", build_with_max_of_shards)
     gates, ups, downs, x, tw, ti = experts()
     moe = make_moe(Nvfp4SglangConfig.from_config(MODELOPT))
     load_experts(moe, expert_checkpoint("modelopt", gates, ups, downs))

@@ -12,7 +12,9 @@ safetensors = pytest.importorskip("safetensors.torch")
 from nvfp4_plugin import reference as ref  # noqa: E402
 from nvfp4_plugin.checkpoints import make_model, quantize_checkpoint  # noqa: E402
 
-from .test_vllm_linear import bound, canonical, dense_reference, load  # noqa: E402
+from .ckpt_helpers import canonical, dense_reference  # noqa: E402
+from .ckpt_helpers import error_bound as bound  # noqa: E402
+from .ckpt_helpers import load_linear as load  # noqa: E402
 from .vllm_harness import simulated_tp, start, unique_layer  # noqa: E402
 
 start()

@@ -9,8 +9,8 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 from nvfp4_plugin import reference as ref  # noqa: E402
-from nvfp4_plugin.weights import Nvfp4Weight  # noqa: E402
 
+from .ckpt_helpers import canonical, checkpoint_tensors, dense_reference, error_bound, load_linear  # noqa: E402
 from .vllm_harness import simulated_tp, start  # noqa: E402
 
 start()
@@ -31,49 +31,8 @@ CT = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "i
                                                           "dynamic": "local"}}}}
 
 
-def checkpoint_tensors(fmt, w: torch.Tensor, act_amax: float):
-    """One module's tensors as the checkpoint format stores them."""
-    q = Nvfp4Weight.quantize(w)
-    gs = q.global_scale[0]
-    igs = torch.tensor(2688.0 / act_amax)
-    if fmt == "modelopt":
-        return {"weight": q.packed, "weight_scale": q.block_scale, "weight_scale_2": 1.0 / gs, "input_scale": 1.0 / igs}
-    return {"weight_packed": q.packed, "weight_scale": q.block_scale, "weight_global_scale": gs.reshape(1),
-            "input_global_scale": igs.reshape(1)}
-
-
-def canonical(fmt, t):
-    """What the checkpoint says the weight is (ModelOpt's decode scales inverted, as the loader does)."""
-    if fmt == "modelopt":
-        return t["weight"], t["weight_scale"], (1.0 / t["weight_scale_2"]).reshape(1)
-    return t["weight_packed"], t["weight_scale"], t["weight_global_scale"].reshape(1)
-
-
-def dense_reference(fmt, shards, x, mode):
-    outs = []
-    for t in shards:
-        p, s, g = canonical(fmt, t)
-        kw = {}
-        if mode == "w4a4":
-            ig = (1.0 / t["input_scale"]) if fmt == "modelopt" else t["input_global_scale"]
-            kw = dict(mode="w4a4", input_global_scale=ig.reshape(1))
-        outs.append(ref.nvfp4_linear(x, p, s, g.expand(p.shape[0]).contiguous(), **kw))
-    return torch.cat(outs, dim=-1)
-
-
-def load(layer, tensors_by_shard):
-    for shard_id, tensors in tensors_by_shard:
-        for name, t in tensors.items():
-            param = getattr(layer, name)
-            if shard_id is None:
-                param.weight_loader(param, t)
-            else:
-                param.weight_loader(param, t, shard_id)
-    layer.quant_method.process_weights_after_loading(layer)
-
-
-def bound(x, shards_w):
-    return 3 * 2 ** -8 * (x.double().abs() @ torch.cat(shards_w).abs().double().t())
+load = load_linear
+bound = error_bound
 
 
 @pytest.mark.parametrize("fmt,cfg", [("modelopt", MODELOPT), ("compressed-tensors", CT)])

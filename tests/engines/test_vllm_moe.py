@@ -12,6 +12,7 @@ vllm = pytest.importorskip("vllm")
 from nvfp4_plugin import reference as ref  # noqa: E402
 from nvfp4_plugin.weights import Nvfp4Weight  # noqa: E402
 
+from .ckpt_helpers import module_tensors  # noqa: E402
 from .test_vllm_linear import CT, MODELOPT  # noqa: E402
 from .vllm_harness import simulated_tp, start, unique_layer  # noqa: E402
 
@@ -23,13 +24,7 @@ from nvfp4_plugin.engines.vllm.config import Nvfp4VllmConfig  # noqa: E402
 from nvfp4_plugin.engines.vllm.moe import Nvfp4VllmFusedMoEMethod  # noqa: E402
 
 
-def expert_tensors(fmt, q: Nvfp4Weight, act_amax=5.0):
-    gs = q.global_scale[0]
-    igs = torch.tensor(2688.0 / act_amax)
-    if fmt == "modelopt":
-        return {"weight": q.packed, "weight_scale": q.block_scale, "weight_scale_2": 1.0 / gs, "input_scale": 1.0 / igs}
-    return {"weight_packed": q.packed, "weight_scale": q.block_scale, "weight_global_scale": gs.reshape(1),
-            "input_global_scale": igs.reshape(1)}
+expert_tensors = module_tensors
 
 
 def loaded_gs(fmt, q):

@@ -16,7 +16,7 @@ import torch
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 
 from ...checkpoints import validate_checkpoint
-from ..common import Nvfp4QuantConfig, is_layer_excluded, parse_quant_config
+from ..common import Nvfp4QuantConfig, is_layer_excluded, override_for, parse_quant_config
 from . import NAME
 
 logger = logging.getLogger("nvfp4_plugin")
@@ -87,17 +87,7 @@ class Nvfp4SglangConfig(QuantizationConfig):
     def override_quantization_method(cls, hf_quant_cfg, user_quant) -> str | None:
         # Without this, ModelOpt's override turns "--quantization nvfp4" into "modelopt_fp4". We only
         # claim a checkpoint when asked to: without the flag SGLang keeps its built-in path.
-        if user_quant != NAME:
-            return None
-        if hf_quant_cfg is None:
-            raise ValueError("--quantization nvfp4: the checkpoint has no quantization_config / hf_quant_config.json; "
-                             "quantize it first with `nvfp4-plugin quantize SRC DST`")
-        try:
-            parse_quant_config(hf_quant_cfg)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"--quantization nvfp4: the checkpoint is not an NVFP4 checkpoint we can load: "
-                             f"{exc}") from exc
-        return NAME
+        return override_for(user_quant, NAME, hf_quant_cfg)
 
     def apply_weight_name_mapper(self, hf_to_sglang_mapper) -> None:
         # Keep the checkpoint's own names too: wildcard patterns do not always survive a name mapper.

@@ -11,8 +11,7 @@ import torch
 from sglang.srt.layers.parameter import ModelWeightParameter, PerTensorScaleParameter
 from sglang.srt.layers.quantization.base_config import LinearMethodBase
 
-from ...layers import Nvfp4Linear
-from ..common import build_weight, input_scales, layer_tensor_names, register_prepared
+from ..common import finish_linear, layer_tensor_names
 from .loading import check_all_loaded, e4m3_bytes, linear_loader
 
 
@@ -56,16 +55,7 @@ class Nvfp4SglangLinearMethod(LinearMethodBase):
         prefix = getattr(layer, "nvfp4_prefix", type(layer).__name__)
         widths = layer.logical_widths
         check_all_loaded(layer, (nm.weight, nm.block_scale), len(widths), self.quant_config.packed_modules_mapping)
-        weight = build_weight(prefix, self.fmt, getattr(layer, nm.weight).data, getattr(layer, nm.block_scale).data,
-                              getattr(layer, nm.weight_global).data, widths)
-        # one activation scale for the fused input: the smallest encode scale (largest amax) never saturates
-        input_gs = input_scales(prefix, self.fmt, getattr(layer, nm.input_global).data, num_shards=len(widths))
-        if input_gs is not None:
-            input_gs = input_gs.reshape(1).to(weight.packed.device)
-        core = Nvfp4Linear(weight, input_gs, act_dtype=layer.nvfp4_act_dtype)
-        for name in (nm.weight, nm.block_scale, nm.weight_global, nm.input_global):
-            delattr(layer, name)
-        register_prepared(layer, core)
+        finish_linear(layer, prefix, self.fmt, widths, layer.nvfp4_act_dtype)
         del layer.nvfp4_loaded
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

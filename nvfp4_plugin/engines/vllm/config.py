@@ -13,7 +13,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from ...checkpoints import validate_checkpoint
-from ..common import Nvfp4QuantConfig, is_layer_excluded, parse_quant_config
+from ..common import Nvfp4QuantConfig, is_layer_excluded, override_for, parse_quant_config
 
 logger = logging.getLogger("nvfp4_plugin")
 
@@ -46,16 +46,7 @@ class Nvfp4VllmConfig(QuantizationConfig):
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
         # Without this, vLLM's ModelOpt override turns "--quantization nvfp4" into "modelopt_fp4".
-        if user_quant != NAME:
-            return None
-        if hf_quant_cfg is None:
-            raise ValueError("--quantization nvfp4: the checkpoint has no quantization_config / hf_quant_config.json; "
-                             "quantize it first with `nvfp4-plugin quantize SRC DST`")
-        try:
-            parse_quant_config(hf_quant_cfg)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"--quantization nvfp4: the checkpoint is not an NVFP4 checkpoint we can load: {exc}") from exc
-        return NAME
+        return override_for(user_quant, NAME, hf_quant_cfg)
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         mapped = hf_to_vllm_mapper.apply_list(list(self.spec.exclude_modules))

@@ -6,8 +6,7 @@ import torch
 from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
 
-from ...layers import Nvfp4Linear
-from ..common import build_weight, input_scales, layer_tensor_names, register_prepared
+from ..common import finish_linear, layer_tensor_names
 
 
 class Nvfp4VllmLinearMethod(LinearMethodBase):
@@ -38,19 +37,8 @@ class Nvfp4VllmLinearMethod(LinearMethodBase):
                 weight_loader=loader))
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        nm = self.names
-        prefix = getattr(layer, "prefix", layer.__class__.__name__)
-        weight = build_weight(prefix, self.fmt, getattr(layer, nm.weight).data, getattr(layer, nm.block_scale).data,
-                              getattr(layer, nm.weight_global).data, layer.logical_widths)
-        # one activation scale for the fused input: the smallest encode scale (largest amax) never saturates
-        input_gs = input_scales(prefix, self.fmt, getattr(layer, nm.input_global).data,
-                                num_shards=len(layer.logical_widths))
-        if input_gs is not None:
-            input_gs = input_gs.reshape(1).to(weight.packed.device)
-        core = Nvfp4Linear(weight, input_gs, act_dtype=layer.nvfp4_act_dtype)
-        for name in (nm.weight, nm.block_scale, nm.weight_global, nm.input_global):
-            delattr(layer, name)
-        register_prepared(layer, core)
+        finish_linear(layer, getattr(layer, "prefix", layer.__class__.__name__), self.fmt, layer.logical_widths,
+                      layer.nvfp4_act_dtype)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return layer.nvfp4_core(x, bias)

@@ -12,9 +12,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
 from vllm.model_executor.utils import set_weight_attrs
 
-from ...layers import Nvfp4FusedMoE
-from ...checkpoints.errors import problem
-from ..common import CheckpointError, build_weight, input_scales, layer_tensor_names, register_prepared
+from ..common import finish_moe, layer_tensor_names
 
 
 class Nvfp4VllmFusedMoEMethod(FusedMoEMethodBase):
@@ -60,29 +58,7 @@ class Nvfp4VllmFusedMoEMethod(FusedMoEMethodBase):
         add(f"w2_{nm.input_global}", (num_experts,), torch.float32, nan, quant_method=tensor)
 
     def process_weights_after_loading(self, layer) -> None:
-        nm = self.names
-        prefix = getattr(layer, "layer_name", "experts")
-        i2 = getattr(layer, f"w13_{nm.weight}").shape[1]
-        w13 = build_weight(f"{prefix}.w13", self.fmt, getattr(layer, f"w13_{nm.weight}").data,
-                           getattr(layer, f"w13_{nm.block_scale}").data, getattr(layer, f"w13_{nm.weight_global}").data,
-                           [i2 // 2, i2 // 2])
-        w2 = build_weight(f"{prefix}.w2", self.fmt, getattr(layer, f"w2_{nm.weight}").data,
-                          getattr(layer, f"w2_{nm.block_scale}").data,
-                          getattr(layer, f"w2_{nm.weight_global}").data[:, None], [w13.k])
-        a13_loaded = getattr(layer, f"w13_{nm.input_global}").data
-        # gate and up read the same input: one scale per expert (the smallest encode scale)
-        a13 = input_scales(f"{prefix}.w13", self.fmt, a13_loaded, num_shards=2 if a13_loaded.dim() == 2 else None)
-        a2 = input_scales(f"{prefix}.w2", self.fmt, getattr(layer, f"w2_{nm.input_global}").data)
-        if (a13 is None) != (a2 is None):
-            raise CheckpointError(problem(None, prefix, "input scales present for only one of w13/w2 "
-                                                         f"(w13: {a13 is not None}, w2: {a2 is not None})"))
-        if a13 is not None:
-            a13, a2 = a13.to(w13.packed.device), a2.to(w13.packed.device)
-        core = Nvfp4FusedMoE(w13, w2, a13, a2, act_dtype=layer.nvfp4_act_dtype)
-        for part in ("w13_", "w2_"):
-            for name in (nm.weight, nm.block_scale, nm.weight_global, nm.input_global):
-                delattr(layer, part + name)
-        register_prepared(layer, core)
+        finish_moe(layer, getattr(layer, "layer_name", "experts"), self.fmt, layer.nvfp4_act_dtype)
 
     def get_fused_moe_quant_config(self, layer):
         return None

@@ -1,0 +1,85 @@
+"""Engine-neutral helpers of the engine adapter tests: checkpoint tensors of one module in either
+format, what the checkpoint says the weight is, the dense reference, error bounds, and loading
+through a layer's own weight loaders (the same in vLLM and SGLang)."""
+
+from __future__ import annotations
+
+import torch
+
+from nvfp4_plugin import reference as ref
+from nvfp4_plugin.weights import Nvfp4Weight
+
+
+def checkpoint_tensors(fmt, w: torch.Tensor, act_amax: float):
+    """One module's tensors as the checkpoint format stores them (quantized with its own global scale)."""
+    return module_tensors(fmt, Nvfp4Weight.quantize(w), act_amax)
+
+
+def module_tensors(fmt, q: Nvfp4Weight, act_amax: float | None = 5.0):
+    gs = q.global_scale[0]
+    igs = None if act_amax is None else torch.tensor(2688.0 / act_amax)
+    if fmt == "modelopt":
+        t = {"weight": q.packed, "weight_scale": q.block_scale, "weight_scale_2": 1.0 / gs}
+        if igs is not None:
+            t["input_scale"] = 1.0 / igs
+        return t
+    t = {"weight_packed": q.packed, "weight_scale": q.block_scale, "weight_global_scale": gs.reshape(1)}
+    if igs is not None:
+        t["input_global_scale"] = igs.reshape(1)
+    return t
+
+
+def canonical(fmt, t):
+    """What the checkpoint says the weight is (ModelOpt's decode scales inverted, as the loader does)."""
+    if fmt == "modelopt":
+        return t["weight"], t["weight_scale"], (1.0 / t["weight_scale_2"]).reshape(1)
+    return t["weight_packed"], t["weight_scale"], t["weight_global_scale"].reshape(1)
+
+
+def input_encode_scale(fmt, t) -> torch.Tensor:
+    return ((1.0 / t["input_scale"]) if fmt == "modelopt" else t["input_global_scale"]).reshape(())
+
+
+def dequantized(fmt, t) -> torch.Tensor:
+    p, s, g = canonical(fmt, t)
+    return ref.dequantize_fp4(p, s, g, swizzled=False, m=p.shape[0], k=p.shape[1] * 2)
+
+
+def dense_reference(fmt, shards, x, mode, input_scale: torch.Tensor | None = None):
+    """Reference output of a fused layer: each shard with its own global scale; in w4a4 one input
+    scale for the shared input (``input_scale``, default: the smallest of the shards')."""
+    if mode == "w4a4" and input_scale is None:
+        input_scale = torch.stack([input_encode_scale(fmt, t) for t in shards]).min()
+    outs = []
+    for t in shards:
+        p, s, g = canonical(fmt, t)
+        kw = dict(mode="w4a4", input_global_scale=input_scale.reshape(1)) if mode == "w4a4" else {}
+        outs.append(ref.nvfp4_linear(x, p, s, g.expand(p.shape[0]).contiguous(), **kw))
+    return torch.cat(outs, dim=-1)
+
+
+def error_bound(x, deq_shards):
+    """Elementwise bound for bf16 activations times the dequantized weight: the engine rounds the
+    dequantized weight and the product to bf16, the reference computes in fp32 (3 bf16 ulps)."""
+    return 3 * 2 ** -8 * (x.double().abs() @ torch.cat(deq_shards).abs().double().t()) + 1e-6
+
+
+def load_linear(layer, tensors_by_shard):
+    """Feed checkpoint tensors through each parameter's weight loader, as SGLang's model loaders do."""
+    for shard_id, tensors in tensors_by_shard:
+        for name, t in tensors.items():
+            param = getattr(layer, name)
+            if shard_id is None:
+                param.weight_loader(param, t)
+            else:
+                param.weight_loader(param, t, shard_id)
+    layer.quant_method.process_weights_after_loading(layer)
+
+
+def expert_checkpoint(fmt, gates, ups, downs, act_amax=5.0, names=("gate_proj", "up_proj", "down_proj")):
+    """Per-expert checkpoint tensors ``[(f"{e}.{proj}.{suffix}", tensor)]``."""
+    out = []
+    for e, qs in enumerate(zip(gates, ups, downs)):
+        for name, q in zip(names, qs):
+            out += [(f"{e}.{name}.{k}", v) for k, v in module_tensors(fmt, q, act_amax).items()]
+    return out
