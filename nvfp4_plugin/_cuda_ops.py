@@ -35,16 +35,7 @@ from ._checks import (FLOAT_ACT_DTYPES, check_choice, check_global_scale, check_
 
 logger = logging.getLogger("nvfp4_plugin")
 
-#: Ops with a compiled kernel (names of the public ops / reference functions).
-CUDA_OPS = (
-    "scaled_fp4_quant",
-    "scaled_fp4_experts_quant",
-    "silu_and_mul_scaled_fp4_experts_quant",
-    "silu_and_mul",
-    "scaled_fp8_quant",
-    "per_token_quant_fp8",
-    "per_token_group_quant_fp8",
-)
+from ._cuda_register import CUDA_OPS  # noqa: E402,F401  (ops with a compiled kernel)
 
 MAX_EXPERTS = 8192  # csrc/quant/launch.h kMaxExperts
 GROUP_SIZES = (16, 32, 64, 128, 256, 512)
@@ -147,16 +138,9 @@ def scaled_fp4_quant(input: torch.Tensor, input_global_scale: torch.Tensor, *, s
 def scaled_fp4_experts_quant(input: torch.Tensor, input_global_scale: torch.Tensor, expert_offsets: torch.Tensor,
                              blockscale_offsets: torch.Tensor):
     """Compiled twin of :func:`nvfp4_plugin.reference.scaled_fp4_experts_quant`."""
-    _check_act("input", input, 2, nx.NVFP4_BLOCK_SIZE)
+    m, k, e, gs = reference.check_experts_quant_args(input, input_global_scale, expert_offsets, blockscale_offsets)
     _check_cuda("input", input)
-    m, k = input.shape
-    check_tensor("expert_offsets", expert_offsets, dtypes=(torch.int32, torch.int64), ndim=1, device=input.device)
-    e = expert_offsets.shape[0] - 1
-    if e < 1:
-        raise ValueError(f"expert_offsets: expected shape (E+1,) with E >= 1, got {tuple(expert_offsets.shape)}")
-    check_tensor("blockscale_offsets", blockscale_offsets, dtypes=(torch.int32, torch.int64), device=input.device)
-    check_shape("blockscale_offsets", blockscale_offsets, (e + 1,))
-    gs = check_global_scale("input_global_scale", input_global_scale, input.device, count=e).contiguous()
+    gs = gs.contiguous()
     if e > MAX_EXPERTS:
         return _fallback("scaled_fp4_experts_quant", f"E = {e} > {MAX_EXPERTS}")(
             input, input_global_scale, expert_offsets, blockscale_offsets)

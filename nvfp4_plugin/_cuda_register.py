@@ -16,7 +16,7 @@ import torch
 from . import _ext
 from .ops._registry import OpBackend, register
 
-#: Ops with a compiled kernel (kept equal to nvfp4_plugin._cuda_ops.CUDA_OPS).
+#: Ops with a compiled kernel (nvfp4_plugin._cuda_ops implements each).
 CUDA_OPS = (
     "scaled_fp4_quant",
     "scaled_fp4_experts_quant",

@@ -142,15 +142,8 @@ def _expert_of_rows(expert_offsets: torch.Tensor, m: int) -> torch.Tensor:
     return torch.searchsorted(expert_offsets[1:].to(torch.int64).contiguous(), rows, right=True)
 
 
-def scaled_fp4_experts_quant(input: torch.Tensor, input_global_scale: torch.Tensor, expert_offsets: torch.Tensor,
-                             blockscale_offsets: torch.Tensor):
-    """Quantize rows grouped by expert, each expert with its own global scale.
-
-    ``input[M, K]``: rows ``expert_offsets[e]:expert_offsets[e+1]`` belong to expert e.
-    Returns ``(uint8 [M, K/2], float8_e4m3fn [max_blockscale_rows(M, E), round_up(K/16, 4)])``:
-    expert e's scales are swizzled in the rows starting at ``blockscale_offsets[e]`` (a multiple of
-    128). Rows past ``expert_offsets[E]`` belong to no expert and stay zero.
-    """
+def check_experts_quant_args(input, input_global_scale, expert_offsets, blockscale_offsets):
+    """Argument checks of scaled_fp4_experts_quant (shared by every implementation): (M, K, E, gs)."""
     _check_act("input", input)
     m, k = input.shape
     check_tensor("expert_offsets", expert_offsets, dtypes=(torch.int32, torch.int64), ndim=1, device=input.device)
@@ -160,7 +153,19 @@ def scaled_fp4_experts_quant(input: torch.Tensor, input_global_scale: torch.Tens
     check_tensor("blockscale_offsets", blockscale_offsets, dtypes=(torch.int32, torch.int64), device=input.device)
     check_shape("blockscale_offsets", blockscale_offsets, (e + 1,))
     gs = check_global_scale("input_global_scale", input_global_scale, input.device, count=e)
+    return m, k, e, gs
 
+
+def scaled_fp4_experts_quant(input: torch.Tensor, input_global_scale: torch.Tensor, expert_offsets: torch.Tensor,
+                             blockscale_offsets: torch.Tensor):
+    """Quantize rows grouped by expert, each expert with its own global scale.
+
+    ``input[M, K]``: rows ``expert_offsets[e]:expert_offsets[e+1]`` belong to expert e.
+    Returns ``(uint8 [M, K/2], float8_e4m3fn [max_blockscale_rows(M, E), round_up(K/16, 4)])``:
+    expert e's scales are swizzled in the rows starting at ``blockscale_offsets[e]`` (a multiple of
+    128). Rows past ``expert_offsets[E]`` belong to no expert and stay zero.
+    """
+    m, k, e, gs = check_experts_quant_args(input, input_global_scale, expert_offsets, blockscale_offsets)
     kb = k // nx.NVFP4_BLOCK_SIZE
     expert = _expert_of_rows(expert_offsets, m)
     valid = expert < e

@@ -9,6 +9,17 @@ import torch
 from nvfp4_plugin import reference as ref
 from nvfp4_plugin.weights import Nvfp4Weight
 
+#: quantization_config of a calibrated (W4A4) checkpoint in each format
+MODELOPT = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": ["lm_head"]}
+CT = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],
+      "config_groups": {"group_0": {"targets": ["Linear"],
+                                    "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                                "group_size": 16},
+                                    "input_activations": {"num_bits": 4, "type": "float",
+                                                          "strategy": "tensor_group", "group_size": 16,
+                                                          "dynamic": "local"}}}}
+
+
 
 def checkpoint_tensors(fmt, w: torch.Tensor, act_amax: float):
     """One module's tensors as the checkpoint format stores them (quantized with its own global scale)."""

@@ -23,14 +23,7 @@ import torch
 
 os.environ.setdefault("SGLANG_LOGGING_LEVEL", "WARNING")
 
-MODELOPT = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": ["lm_head"]}
-CT = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],
-      "config_groups": {"group_0": {"targets": ["Linear"],
-                                    "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
-                                                "group_size": 16},
-                                    "input_activations": {"num_bits": 4, "type": "float",
-                                                          "strategy": "tensor_group", "group_size": 16,
-                                                          "dynamic": "local"}}}}
+from .ckpt_helpers import CT, MODELOPT  # noqa: E402
 FORMATS = [("modelopt", MODELOPT), ("compressed-tensors", CT)]
 
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,

@@ -10,7 +10,7 @@ vllm = pytest.importorskip("vllm")
 
 from nvfp4_plugin import reference as ref  # noqa: E402
 
-from .ckpt_helpers import canonical, checkpoint_tensors, dense_reference, error_bound, load_linear  # noqa: E402
+from .ckpt_helpers import CT, MODELOPT, canonical, checkpoint_tensors, dense_reference, error_bound, load_linear  # noqa: E402,F401
 from .vllm_harness import simulated_tp, start  # noqa: E402
 
 start()
@@ -21,14 +21,6 @@ from vllm.model_executor.layers.linear import (  # noqa: E402
 from nvfp4_plugin.engines.vllm.config import Nvfp4VllmConfig  # noqa: E402
 from nvfp4_plugin.engines.vllm.linear import Nvfp4VllmLinearMethod  # noqa: E402
 
-MODELOPT = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": ["lm_head"]}
-CT = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],
-      "config_groups": {"group_0": {"targets": ["Linear"],
-                                    "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
-                                                "group_size": 16},
-                                    "input_activations": {"num_bits": 4, "type": "float",
-                                                          "strategy": "tensor_group", "group_size": 16,
-                                                          "dynamic": "local"}}}}
 
 
 load = load_linear
