@@ -159,19 +159,9 @@ def silu_and_mul_scaled_fp4_experts_quant(input: torch.Tensor, input_global_scal
                                           output_scale: torch.Tensor | None = None):
     """Compiled twin of :func:`nvfp4_plugin.reference.silu_and_mul_scaled_fp4_experts_quant` (writes into
     ``output`` / ``output_scale`` when given)."""
-    check_tensor("input", input, dtypes=FLOAT_ACT_DTYPES, ndim=3)
+    e, max_m, k, gs, sw_shape = reference.check_masked_quant_args(input, input_global_scale, mask, use_silu_and_mul)
     _check_cuda("input", input)
-    e, max_m, width = input.shape
-    k = width // 2 if use_silu_and_mul else width
-    if use_silu_and_mul:
-        check_multiple("input", width, 2 * nx.NVFP4_BLOCK_SIZE, "last dim (2*I)")
-    else:
-        check_multiple("input", width, nx.NVFP4_BLOCK_SIZE, "last dim (K)")
-    check_tensor("mask", mask, dtypes=(torch.int32, torch.int64), device=input.device)
-    check_shape("mask", mask, (e,))
-    gs = check_global_scale("input_global_scale", input_global_scale, input.device, count=e).contiguous()
-    kb = k // nx.NVFP4_BLOCK_SIZE
-    sw_shape = (e, *nx.swizzled_scale_shape(max_m, kb))
+    gs = gs.contiguous()
     for name, t, shape, dtype in (("output", output, (e, max_m, k // 2), torch.uint8),
                                   ("output_scale", output_scale, sw_shape, torch.float8_e4m3fn)):
         if t is not None:

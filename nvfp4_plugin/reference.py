@@ -193,16 +193,9 @@ def silu_and_mul(input: torch.Tensor) -> torch.Tensor:
     return nx.silu_and_mul_fp32(input)
 
 
-def silu_and_mul_scaled_fp4_experts_quant(input: torch.Tensor, input_global_scale: torch.Tensor, mask: torch.Tensor,
-                                          *, use_silu_and_mul: bool = True, output: torch.Tensor | None = None,
-                                          output_scale: torch.Tensor | None = None):
-    """Masked-layout quantization (DeepEP low-latency), optionally fused with SiLU-and-mul.
-
-    ``input[E, max_m, 2I]`` (or ``[E, max_m, K]`` without SiLU), ``mask[E]`` valid rows per expert
-    (values above ``max_m`` act as ``max_m``). Returns ``(uint8 [E, max_m, I/2], float8_e4m3fn
-    [E, round_up(max_m,128), round_up(I/16,4)])`` swizzled per expert. Rows at or past ``mask[e]``
-    are left untouched: as given in ``output``/``output_scale``, else zero.
-    """
+def check_masked_quant_args(input, input_global_scale, mask, use_silu_and_mul: bool):
+    """Argument checks of silu_and_mul_scaled_fp4_experts_quant (shared by every implementation):
+    (E, max_m, K quantized, gs, swizzled scale shape)."""
     check_tensor("input", input, dtypes=FLOAT_ACT_DTYPES, ndim=3)
     e, max_m, width = input.shape
     k = width // 2 if use_silu_and_mul else width
@@ -213,8 +206,21 @@ def silu_and_mul_scaled_fp4_experts_quant(input: torch.Tensor, input_global_scal
     check_tensor("mask", mask, dtypes=(torch.int32, torch.int64), device=input.device)
     check_shape("mask", mask, (e,))
     gs = check_global_scale("input_global_scale", input_global_scale, input.device, count=e)
+    return e, max_m, k, gs, (e, *nx.swizzled_scale_shape(max_m, k // nx.NVFP4_BLOCK_SIZE))
+
+
+def silu_and_mul_scaled_fp4_experts_quant(input: torch.Tensor, input_global_scale: torch.Tensor, mask: torch.Tensor,
+                                          *, use_silu_and_mul: bool = True, output: torch.Tensor | None = None,
+                                          output_scale: torch.Tensor | None = None):
+    """Masked-layout quantization (DeepEP low-latency), optionally fused with SiLU-and-mul.
+
+    ``input[E, max_m, 2I]`` (or ``[E, max_m, K]`` without SiLU), ``mask[E]`` valid rows per expert
+    (values above ``max_m`` act as ``max_m``). Returns ``(uint8 [E, max_m, I/2], float8_e4m3fn
+    [E, round_up(max_m,128), round_up(I/16,4)])`` swizzled per expert. Rows at or past ``mask[e]``
+    are left untouched: as given in ``output``/``output_scale``, else zero.
+    """
+    e, max_m, k, gs, sw_shape = check_masked_quant_args(input, input_global_scale, mask, use_silu_and_mul)
     kb = k // nx.NVFP4_BLOCK_SIZE
-    sw_shape = (e, *nx.swizzled_scale_shape(max_m, kb))
     if output is None:
         output = torch.zeros((e, max_m, k // 2), dtype=torch.uint8, device=input.device)
     if output_scale is None:
