@@ -4,19 +4,24 @@ VENV ?= .venv
 # The CPU build of torch that the CI machine carries on disk; override for a CUDA machine.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
-# Engine adapters are tested against the real engines, each in its own venv (their torch pins differ).
-VLLM_VENV ?= .venv-vllm
-VLLM_SPEC ?= vllm==0.26.0
-SGLANG_VENV ?= .venv-sglang
-SGLANG_SPEC ?= sglang==0.5.17
+# The engine adapters are tested against the real vLLM and SGLang, both in one venv (see
+# tests/engines/requirements-engines.txt for what is left out and why).
+ENGINES_VENV ?= .venv-engines
+ENGINES_SPEC ?= vllm==0.26.0 sglang==0.5.17
+# The engines pin torch 2.11.0; on this CPU-only machine the release that lies on its disk stands in
+# (the adapters only touch the engines' Python layers). SGLang imports torchvision at start-up, and
+# PyPI has no CPU torchvision for x86_64, so this is a CUDA build of torch (it runs on the CPU too).
+ENGINES_TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+# No wheel cache: the CI machine's disk is small.
+PIP_INSTALL = python -m pip install -q --no-cache-dir
 
-.PHONY: demo info test test-core test-vllm test-sglang test-gpu clean
+.PHONY: demo info test test-core test-engines test-vllm test-sglang test-gpu clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(VENV)/bin/python -m pip install -q -e ".[test]"
+	$(VENV)/bin/$(PIP_INSTALL) --upgrade pip
+	$(VENV)/bin/$(PIP_INSTALL) "$(TORCH_SPEC)"
+	$(VENV)/bin/$(PIP_INSTALL) -e ".[test]"
 	touch $@
 
 demo: $(VENV)/.installed
@@ -25,36 +30,36 @@ demo: $(VENV)/.installed
 info: $(VENV)/.installed
 	$(VENV)/bin/nvfp4-plugin info
 
-$(VLLM_VENV)/.installed: pyproject.toml Makefile
-	$(PY) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)" pytest hypothesis
-	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
-	touch $@
-
-# SGLang pins its own torch (2.11) and transformers (5.12.1): its own venv, like vLLM's.
-$(SGLANG_VENV)/.installed: pyproject.toml Makefile
-	$(PY) -m venv $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
-	$(SGLANG_VENV)/bin/python -m pip install -q "$(SGLANG_SPEC)" pytest hypothesis
-	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -e .
+# vLLM and SGLang without their CUDA-only dependencies (--no-deps + the curated list); pip's
+# resolver then reports the packages it did not install, which is expected.
+$(ENGINES_VENV)/.installed: pyproject.toml Makefile tests/engines/requirements-engines.txt
+	$(PY) -m venv $(ENGINES_VENV)
+	$(ENGINES_VENV)/bin/$(PIP_INSTALL) --upgrade pip
+	$(ENGINES_VENV)/bin/$(PIP_INSTALL) $(ENGINES_TORCH_SPEC)
+	$(ENGINES_VENV)/bin/$(PIP_INSTALL) --no-deps $(ENGINES_SPEC)
+	$(ENGINES_VENV)/bin/$(PIP_INSTALL) -r tests/engines/requirements-engines.txt > $(ENGINES_VENV)/pip.log 2>&1; \
+	rc=$$?; grep -v "requires\|resolver" $(ENGINES_VENV)/pip.log; exit $$rc
+	$(ENGINES_VENV)/bin/python -c "import vllm, sglang, torch; print('engines venv:', vllm.__version__, sglang.__version__, torch.__version__)"
+	$(ENGINES_VENV)/bin/$(PIP_INSTALL) --no-deps -e .
 	touch $@
 
 # The whole CPU test suite (what CI runs). pytest exit code 5 = "no tests collected" is not a failure.
-test: test-core test-vllm test-sglang
+test: test-core test-engines
 
 test-core: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest -q -m "not gpu and not sm100" $(PYTEST_ARGS); rc=$$?; \
+	NVFP4_TEST_REQUIRE=triton $(VENV)/bin/python -m pytest -q -m "not gpu and not sm100" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
-# vLLM adapter tests with the real vLLM (CPU platform, simulated tensor parallelism)
-test-vllm: $(VLLM_VENV)/.installed
-	$(VLLM_VENV)/bin/python -m pytest -q -m "not gpu and not sm100" tests/engines/test_vllm_*.py $(PYTEST_ARGS); rc=$$?; \
+# The adapters inside the real vLLM and SGLang (CPU platform, simulated tensor and expert parallelism).
+# NVFP4_TEST_REQUIRE turns a broken engine install into a failure instead of skipped tests.
+test-engines: test-vllm test-sglang
+
+test-vllm: $(ENGINES_VENV)/.installed
+	NVFP4_TEST_REQUIRE=vllm $(ENGINES_VENV)/bin/python -m pytest -q -m "not gpu and not sm100" tests/engines/test_vllm_*.py $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
-# SGLang adapter tests with the real SGLang (CPU, simulated tensor and expert parallelism)
-test-sglang: $(SGLANG_VENV)/.installed
-	$(SGLANG_VENV)/bin/python -m pytest -q -m "not gpu and not sm100" tests/engines/test_sglang_*.py $(PYTEST_ARGS); rc=$$?; \
+test-sglang: $(ENGINES_VENV)/.installed
+	NVFP4_TEST_REQUIRE=sglang $(ENGINES_VENV)/bin/python -m pytest -q -m "not gpu and not sm100" tests/engines/test_sglang_*.py $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 # GPU tests, on the GPU machine, with its system python (torch + triton preinstalled there).
@@ -63,4 +68,4 @@ test-gpu:
 	if [ $$rc -eq 5 ]; then echo "no GPU tests collected"; fi; exit $$rc
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info
+	rm -rf $(VENV) $(ENGINES_VENV) build *.egg-info

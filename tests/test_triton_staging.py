@@ -10,13 +10,15 @@ import os
 import pytest
 import torch
 
+from tests._require import require, skip_module
+
 if not torch.cuda.is_available():  # Triton's CPU interpreter; must be set before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+require("triton")
 from nvfp4_plugin.triton import _runtime as _rt  # noqa: E402
 
 if not torch.cuda.is_available() and _rt.interpreter_problem():
-    pytest.skip(_rt.interpreter_problem(), allow_module_level=True)
+    skip_module("triton", _rt.interpreter_problem())
 
 from nvfp4_plugin import numerics as nx  # noqa: E402
 from nvfp4_plugin import reference as ref  # noqa: E402

@@ -19,6 +19,8 @@ Test design (sound statistics, not a 16%-flaky "3 sigma for each of 64 elements"
 
 import math
 import os
+
+from tests._require import require, skip_module
 from statistics import NormalDist
 
 import pytest
@@ -26,11 +28,11 @@ import torch
 
 if not torch.cuda.is_available():  # Triton's CPU interpreter; must be set before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+require("triton")
 from nvfp4_plugin.triton import _runtime as _rt  # noqa: E402
 
 if not torch.cuda.is_available() and _rt.interpreter_problem():
-    pytest.skip(_rt.interpreter_problem(), allow_module_level=True)
+    skip_module("triton", _rt.interpreter_problem())
 
 from nvfp4_plugin import numerics as nx  # noqa: E402
 from nvfp4_plugin import reference as ref  # noqa: E402

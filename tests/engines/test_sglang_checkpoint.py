@@ -8,7 +8,9 @@ import zlib
 import pytest
 import torch
 
-sglang = pytest.importorskip("sglang")
+from tests._require import require
+
+sglang = require("sglang")
 
 from nvfp4_plugin import reference as ref  # noqa: E402
 from nvfp4_plugin.checkpoints import open_checkpoint  # noqa: E402

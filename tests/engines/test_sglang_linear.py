@@ -6,7 +6,9 @@ Runs where SGLang is installed (CI: make test-sglang builds .venv-sglang); skipp
 import pytest
 import torch
 
-sglang = pytest.importorskip("sglang")
+from tests._require import require
+
+sglang = require("sglang")
 
 from .sglang_harness import (FORMATS, MODELOPT, checkpoint_tensors, dense_reference, dequantized,  # noqa: E402
                              error_bound, load_linear, simulated_tp, start)

@@ -10,7 +10,9 @@ from unittest import mock
 import pytest
 import torch
 
-sglang = pytest.importorskip("sglang")
+from tests._require import require
+
+sglang = require("sglang")
 
 from nvfp4_plugin.engines import common as engines_common  # noqa: E402
 from nvfp4_plugin import reference as ref  # noqa: E402

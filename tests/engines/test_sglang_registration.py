@@ -10,7 +10,9 @@ import sys
 import pytest
 import torch
 
-sglang = pytest.importorskip("sglang")
+from tests._require import require
+
+sglang = require("sglang")
 
 from .sglang_harness import quantized_checkpoint, start  # noqa: E402
 

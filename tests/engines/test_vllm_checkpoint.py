@@ -6,8 +6,10 @@ import json
 import pytest
 import torch
 
-vllm = pytest.importorskip("vllm")
-safetensors = pytest.importorskip("safetensors.torch")
+from tests._require import require
+
+vllm = require("vllm")
+safetensors = require("safetensors.torch")
 
 from nvfp4_plugin import reference as ref  # noqa: E402
 from nvfp4_plugin.checkpoints import make_model, quantize_checkpoint  # noqa: E402

@@ -6,7 +6,9 @@ Runs where vLLM is installed (CI: make test builds .venv-vllm); skipped in the p
 import pytest
 import torch
 
-vllm = pytest.importorskip("vllm")
+from tests._require import require
+
+vllm = require("vllm")
 
 from nvfp4_plugin import reference as ref  # noqa: E402
 

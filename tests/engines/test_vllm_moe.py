@@ -7,7 +7,9 @@ routed experts are run through RoutedExperts.forward_modular (what the runner ca
 import pytest
 import torch
 
-vllm = pytest.importorskip("vllm")
+from tests._require import require
+
+vllm = require("vllm")
 
 from nvfp4_plugin import reference as ref  # noqa: E402
 from nvfp4_plugin.weights import Nvfp4Weight  # noqa: E402

@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-vllm = pytest.importorskip("vllm")
+from tests._require import require
+
+vllm = require("vllm")
 
 from .vllm_harness import start  # noqa: E402
 
