@@ -151,6 +151,26 @@ def make_model_cmd(args) -> int:
     return 0
 
 
+def dequantize_cmd(args) -> int:
+    """NVFP4 checkpoint -> plain checkpoint with the exact dequantized weights."""
+    from .checkpoints.dequantize import dequantize_checkpoint
+    from .checkpoints.errors import CheckpointError
+
+    _setup_logging(args.quiet)
+    try:
+        report = _with_sigterm_as_interrupt(
+            lambda _a: dequantize_checkpoint(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite,
+                                             max_shard_size=args.max_shard_size), args)
+    except (CheckpointError, FileExistsError) as exc:
+        print(f"nvfp4-plugin dequantize: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"nvfp4-plugin dequantize: interrupted; {args.dst} was not written", file=sys.stderr)
+        return 130
+    print(report.summary())
+    return 0
+
+
 def check(args) -> int:
     """Validate an NVFP4 checkpoint folder (config, headers, shapes, dtypes, scale values)."""
     from .checkpoints.errors import CheckpointError
@@ -217,12 +237,25 @@ def main(argv=None) -> int:
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--quiet", action="store_true")
 
+    p = sub.add_parser("dequantize", help="write the exact dequantized twin of an NVFP4 checkpoint (CPU only)",
+                       description="NVFP4 checkpoint (ModelOpt or compressed-tensors) -> unquantized Hugging Face "
+                                   "checkpoint whose weights are the reference dequantization (the ground truth "
+                                   "for weight-only serving).")
+    p.add_argument("src", help="NVFP4 checkpoint folder")
+    p.add_argument("dst", help="output folder (must not exist unless --overwrite)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="weight dtype (default float32: exact; the 16-bit types round the dequantized values)")
+    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+
     p = sub.add_parser("check", help="validate an NVFP4 checkpoint folder (CPU only)")
     p.add_argument("dir")
     p.add_argument("--no-block-scales", action="store_true", help="skip reading block-scale values")
 
     args = parser.parse_args(argv)
-    commands = {"info": info, "demo": demo, "quantize": quantize, "make-model": make_model_cmd, "check": check}
+    commands = {"info": info, "demo": demo, "quantize": quantize, "make-model": make_model_cmd,
+                "dequantize": dequantize_cmd, "check": check}
     return commands[args.cmd](args)
 
 

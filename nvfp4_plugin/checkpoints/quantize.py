@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -50,7 +48,8 @@ from . import naming
 from .config import (CONFIG_JSON, HF_QUANT_CONFIG, compressed_tensors_quantization_config,
                      modelopt_hf_quant_config, modelopt_quantization_config)
 from .errors import CheckpointError, problem
-from .safetensors_io import INDEX_FILE, CheckpointFiles, ReadAhead, ShardedWriter, TensorSpec, parse_size
+from .safetensors_io import (INDEX_FILE, CheckpointFiles, ReadAhead, ShardedWriter, TensorSpec, parse_size,
+                             staged_output_dir)
 
 logger = logging.getLogger("nvfp4_plugin")
 
@@ -359,54 +358,43 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
                            "largest input amax", len(filled))
     t_cal = time.time() - t_cal
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{dst.name}.tmp-", dir=dst.parent))
     writer = None
     reader = None
     bar = None
     t_q = time.time()
     try:
-        _copy_side_files(src, tmp)
-        _write_configs(src_config, tmp, options.format, quant_algo, plan.exclude_list)
-        writer = ShardedWriter(tmp, plan.specs, parse_size(options.max_shard_size),
-                               metadata={"format": "pt", "producer": "nvfp4-plugin"})
-        if options.progress:
-            from tqdm import tqdm
-            bar = tqdm(total=sum(i.nbytes for i in files.tensors.values()), unit="B", unit_scale=True,
-                       desc=f"quantize ({device.type})")
-        quantizer = _Quantizer()
-        # Read each group's source tensors two groups ahead, on a background thread.
-        reader = ReadAhead(plan.items,
-                           lambda it: [files.read(w) for w in it[1].weights()] if it[0] == "quant" else None)
-        for (kind, x), data in reader:
-            if kind == "copy":
-                writer.write_raw(x, files.file_of(x), x)
-                done = files.info(x).nbytes
-            else:
-                _quantize_group(x, data, files, device, options, quant_algo, input_amax, writer, quantizer)
-                done = sum(t.numel() * t.element_size() for t in data)
+        with staged_output_dir(dst) as tmp:
+            _copy_side_files(src, tmp)
+            _write_configs(src_config, tmp, options.format, quant_algo, plan.exclude_list)
+            writer = ShardedWriter(tmp, plan.specs, parse_size(options.max_shard_size),
+                                   metadata={"format": "pt", "producer": "nvfp4-plugin"})
+            if options.progress:
+                from tqdm import tqdm
+                bar = tqdm(total=sum(i.nbytes for i in files.tensors.values()), unit="B", unit_scale=True,
+                           desc=f"quantize ({device.type})")
+            quantizer = _Quantizer()
+            # Read each group's source tensors two groups ahead, on a background thread.
+            reader = ReadAhead(plan.items,
+                               lambda it: [files.read(w) for w in it[1].weights()] if it[0] == "quant" else None)
+            for (kind, x), data in reader:
+                if kind == "copy":
+                    writer.write_raw(x, files.file_of(x), x)
+                    done = files.info(x).nbytes
+                else:
+                    _quantize_group(x, data, files, device, options, quant_algo, input_amax, writer, quantizer)
+                    done = sum(t.numel() * t.element_size() for t in data)
+                if bar is not None:
+                    bar.update(done)
+            writer.close()
             if bar is not None:
-                bar.update(done)
-        writer.close()
-        if bar is not None:
-            bar.close()
-            bar = None
-        # Our own loader must accept the result (headers, shapes, config, scalar scale values).
-        from .loader import validate_checkpoint
-        validate_checkpoint(tmp, check_block_scales=False)
-        out_files = list(writer.names)
-        bytes_out = sum((tmp / f).stat().st_size for f in out_files)
-        t_q = time.time() - t_q
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; DST gets the usual permissions
-        if dst.exists():
-            old = Path(tempfile.mkdtemp(prefix=f"{dst.name}.old-", dir=dst.parent))
-            os.rename(dst, old / dst.name)
-            os.rename(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, dst)
+                bar.close()
+                bar = None
+            # Our own loader must accept the result (headers, shapes, config, scalar scale values).
+            from .loader import validate_checkpoint
+            validate_checkpoint(tmp, check_block_scales=False)
+            out_files = list(writer.names)
+            bytes_out = sum((tmp / f).stat().st_size for f in out_files)
+            t_q = time.time() - t_q
     except BaseException:
         if reader is not None:
             reader.close()
@@ -414,7 +402,6 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
             writer.abort()
         if bar is not None:
             bar.close()
-        shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         files.close()

@@ -11,12 +11,15 @@ safetensors (readable by ``safetensors``, transformers, vLLM and SGLang).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import math
 import os
 import queue
+import shutil
 import struct
+import tempfile
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -489,3 +492,28 @@ class ReadAhead:
 
     def __exit__(self, *exc):
         self.close()
+
+
+@contextlib.contextmanager
+def staged_output_dir(dst: Path):
+    """Yield a fresh temporary folder next to ``dst``; on normal exit it replaces ``dst`` (an existing
+    ``dst`` is swapped out, then removed), on any exception or Ctrl-C it is deleted: ``dst`` is
+    either complete or untouched."""
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{dst.name}.tmp-", dir=dst.parent))
+    try:
+        yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; DST gets the usual permissions
+        if dst.exists():
+            old = Path(tempfile.mkdtemp(prefix=f"{dst.name}.old-", dir=dst.parent))
+            os.rename(dst, old / dst.name)
+            os.rename(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

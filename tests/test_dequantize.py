@@ -1,0 +1,165 @@
+"""``nvfp4-plugin dequantize`` and the integration tools built on it (reference logprobs, comparison).
+
+Expected weights are computed independently of the dequantizer: the stored codes, block scales and
+global scales read with ``safetensors.safe_open`` and decoded with a 16-entry E2M1 table.
+"""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from nvfp4_plugin import cli
+from nvfp4_plugin.checkpoints import CheckpointError, make_model, quantize_checkpoint
+from nvfp4_plugin.checkpoints.dequantize import dequantize_checkpoint
+
+from .test_checkpoint_support import CT, MODELOPT
+
+ROOT = Path(__file__).resolve().parents[1]
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _tensors(d):
+    out = {}
+    for p in sorted(Path(d).glob("*.safetensors")):
+        with safe_open(str(p), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def _decode(packed, block_scale, stored_global, fmt):
+    """code x block scale / encode global scale (DESIGN.md 3.2), codes low nibble first. ModelOpt stores
+    the decode scale (encode = its fp32 reciprocal), compressed-tensors the encode scale. The division
+    runs in float64 and is rounded to fp32 once: for fp32 operands that equals an IEEE fp32 division."""
+    table = torch.tensor(E2M1 + [-v for v in E2M1])
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1).long()
+    vals = table[codes].double()
+    scale = block_scale.double().repeat_interleave(16, dim=1)
+    g = stored_global.float().reshape(())
+    enc = g if fmt == CT else torch.ones_like(g) / g
+    return (vals * scale / enc.double()).float()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    base = tmp_path_factory.mktemp("deq")
+    out = {}
+    for arch in ("llama", "qwen3_moe"):
+        make_model(base / arch, arch, "tiny", device="cpu")
+        for fmt in (MODELOPT, CT):
+            dst = base / f"{arch}-{fmt}"
+            quantize_checkpoint(base / arch, dst, format=fmt, calibration=False, progress=False, device="cpu")
+            out[arch, fmt] = dst
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("fmt", [MODELOPT, CT])
+def test_weights_are_the_exact_dequantization(checkpoints, tmp_path, arch, fmt):
+    src = checkpoints[arch, fmt]
+    dst = tmp_path / "plain"
+    r = dequantize_checkpoint(src, dst)
+    q, d = _tensors(src), _tensors(dst)
+    gsuffix = "weight_scale_2" if fmt == MODELOPT else "weight_global_scale"
+    wsuffix = "weight" if fmt == MODELOPT else "weight_packed"
+    modules = [k[: -len(gsuffix) - 1] for k in q if k.endswith(gsuffix)]
+    assert r.modules == len(modules) > 0
+    for m in modules:
+        want = _decode(q[f"{m}.{wsuffix}"], q[f"{m}.weight_scale"], q[f"{m}.{gsuffix}"], fmt)
+        got = d[f"{m}.weight"]
+        assert got.dtype == torch.float32
+        assert torch.equal(got, want), m
+    # everything else copied byte for byte; no scale tensors left behind
+    quant_names = {k for k in q if any(k.startswith(m + ".") for m in modules)}
+    assert set(d) == (set(q) - quant_names) | {f"{m}.weight" for m in modules}
+    for k in set(q) - quant_names:
+        assert torch.equal(d[k].view(torch.uint8), q[k].view(torch.uint8)), k
+    cfg = json.loads((dst / "config.json").read_text())
+    assert "quantization_config" not in cfg and not (dst / "hf_quant_config.json").exists()
+    assert (dst / "tokenizer.json").exists()
+
+
+def test_both_formats_dequantize_identically(checkpoints, tmp_path):
+    a = _tensors(dequantize_checkpoint(checkpoints["qwen3_moe", MODELOPT], tmp_path / "a").dst)
+    b = _tensors(dequantize_checkpoint(checkpoints["qwen3_moe", CT], tmp_path / "b").dst)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bfloat16_output_and_transformers_load(checkpoints, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    dst = Path(dequantize_checkpoint(checkpoints["llama", MODELOPT], tmp_path / "bf", dtype="bfloat16").dst)
+    f32 = _tensors(dequantize_checkpoint(checkpoints["llama", MODELOPT], tmp_path / "f32").dst)
+    bf = _tensors(dst)
+    w = "model.layers.0.mlp.down_proj.weight"
+    assert bf[w].dtype == torch.bfloat16 and torch.equal(bf[w], f32[w].to(torch.bfloat16))
+    model = AutoModelForCausalLM.from_pretrained(dst)
+    assert torch.equal(model.state_dict()[w], bf[w])
+
+
+def test_refusals_and_atomicity(checkpoints, tmp_path, monkeypatch):
+    src = checkpoints["llama", MODELOPT]
+    dst = tmp_path / "out"
+    dst.mkdir()
+    with pytest.raises(FileExistsError):
+        dequantize_checkpoint(src, dst)
+    with pytest.raises(ValueError, match="dtype"):
+        dequantize_checkpoint(src, tmp_path / "x", dtype="int8")
+    with pytest.raises(CheckpointError):
+        dequantize_checkpoint(tmp_path / "out", tmp_path / "y")  # not a checkpoint
+    from nvfp4_plugin.weights import Nvfp4Weight
+
+    real, calls = Nvfp4Weight.dequantize, []
+
+    def failing(self, dtype=torch.float32):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, dtype)
+
+    monkeypatch.setattr(Nvfp4Weight, "dequantize", failing)
+    with pytest.raises(KeyboardInterrupt):
+        dequantize_checkpoint(src, tmp_path / "z")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("z")]
+
+
+def test_cli(checkpoints, tmp_path, capsys):
+    assert cli.main(["dequantize", str(checkpoints["llama", CT]), str(tmp_path / "o"), "--quiet"]) == 0
+    assert "modules dequantized to float32" in capsys.readouterr().out
+    assert cli.main(["dequantize", str(checkpoints["llama", CT]), str(tmp_path / "o"), "--quiet"]) == 2
+    assert "exists" in capsys.readouterr().err
+
+
+def test_reference_logprobs_and_comparison(checkpoints, tmp_path):
+    """The integration tools end to end on a tiny model: the reference of the quantized checkpoint
+    equals the reference of its dequantized twin, and the comparison table lines results up."""
+    ref = tmp_path / "r"
+    ref.mkdir()
+    src = checkpoints["llama", MODELOPT]
+    twin = dequantize_checkpoint(src, tmp_path / "twin").dst
+    for model, name in ((src, "llama-ref"), (twin, "twin")):
+        subprocess.run([sys.executable, str(ROOT / "integration/reference_logprobs.py"), "--model", str(model),
+                        "--out", str(ref / f"{name}.json")], check=True, capture_output=True)
+    a, b = (json.loads((ref / f"{n}.json").read_text()) for n in ("llama-ref", "twin"))
+    assert a["quantized"] and not b["quantized"]
+    assert a["prompt_logprobs"] == b["prompt_logprobs"] and len(a["prompt_logprobs"]) > 5
+    assert all(math.isfinite(x) and x <= 0 for x in a["prompt_logprobs"])
+    # fake served results: one equal to the reference, one off by 0.5 at one position
+    served = dict(a, engine="vllm", batch1_tok_per_s=12.5)
+    (ref / "llama-ours-modelopt.json").write_text(json.dumps(served))
+    off = list(a["prompt_logprobs"])
+    off[2] -= 0.5
+    (ref / "llama-builtin-modelopt.json").write_text(json.dumps(dict(served, prompt_logprobs=off, completion="x")))
+    out = subprocess.run([sys.executable, str(ROOT / "integration/compare_logprobs.py"), str(ref)], check=True,
+                         capture_output=True, text=True).stdout
+    rows = {line.split("|")[3].strip(): [c.strip() for c in line.split("|")[1:-1]]
+            for line in out.splitlines()[2:]}
+    assert rows["ours-modelopt"][3] == "0.0000 / 0.0000"
+    assert rows["ours-modelopt"][4].startswith("0.5000 / ")
+    assert rows["ours-modelopt"][5] == "yes" and rows["builtin-modelopt"][5] == "no"
+    assert rows["builtin-modelopt"][3].startswith("0.5000") and rows["builtin-modelopt"][4] == "n/a"
