@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# End-to-end serving on the GPU machine with vLLM or SGLang, after the engine's bundle is unpacked
+# (../shared/tools/vllm-bundle/README.md, ../shared/tools/sglang-bundle/README.md).
+# Usage: bash integration/e2e.sh ENGINE STEP...     ENGINE: vllm | sglang
+#   Environment: SITE (default /tmp/site) = the unpacked bundle; M (default /tmp/models) = checkpoints;
+#   R (default /tmp/e2e-ENGINE) = results.
+# Steps:
+#   models      make-model Llama and Qwen3-MoE (tiny) and quantize each to ModelOpt and compressed-tensors
+#   smollm2     quantize the real SmolLM2-135M (bf16 folder in $M/smollm2-bf16) to both formats (or carry
+#               a checkpoint quantized elsewhere to $M/smollm2-modelopt: integration/carry_model.sh)
+#   llama       serve the Llama checkpoints: ours (both formats; default backends, and the reference
+#               backend), the engine's built-in modelopt_fp4, bf16
+#   moe         the same for Qwen3-MoE (no bf16)
+#   smol        the same for SmolLM2-135M (variants whose folder is absent are skipped)
+#   cachecheck  serve one checkpoint with the default backend, then with the reference backend
+#   corrupt     a checkpoint with a missing scale tensor and one with an inf global scale must fail cleanly
+#   ref         CPU reference (integration/reference_logprobs.py: transformers fp32 on the dequantized
+#               weights) of every ModelOpt checkpoint and bf16 model in $M
+#   compare     the logprob table of everything in $R (integration/compare_logprobs.py -> $R/compare.md)
+# Results (one JSON per server, logs) are packed into $OUT/e2e-ENGINE.tgz.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ENGINE=${1:?usage: e2e.sh vllm|sglang STEP...}; shift
+SITE=${SITE:-/tmp/site}; M=${M:-/tmp/models}; R=${R:-/tmp/e2e-$ENGINE}; mkdir -p "$M" "$R"
+export PYTHONPATH="$SITE:$PWD:${PYTHONPATH:-}" PATH="$SITE/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+       PYTHONUNBUFFERED=1 NVFP4_PLUGIN_LOG_LEVEL=INFO
+case "$ENGINE" in
+  vllm) GROUP=vllm.general_plugins; export VLLM_USE_FLASHINFER_SAMPLER=0 ;;
+  sglang) GROUP=sglang.srt.plugins
+    # SGLang JIT-compiles its bf16 kernels with the box's nvcc, ninja and c++ (sglang-bundle README).
+    export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} TVM_FFI_CACHE_DIR=/tmp/tvm-ffi-cache
+    command -v ninja >/dev/null || export PATH="$(python3 -c 'import ninja; print(ninja.BIN_DIR)'):$PATH" ;;
+  *) echo "unknown engine $ENGINE (vllm | sglang)"; exit 2 ;;
+esac
+# The package is not pip-installed on the GPU machine: expose its entry points to importlib.metadata
+# with a dist-info folder on PYTHONPATH, or the engine never loads the plugin.
+python3 integration/entry_points.py /tmp/nvfp4ep && export PYTHONPATH="/tmp/nvfp4ep:$PYTHONPATH"
+python3 -c "from importlib.metadata import entry_points as e; assert any(p.name == 'nvfp4' for p in e(group='$GROUP')), 'entry point not visible'" || exit 3
+status=0
+serve() {  # name model [--quantization q] [extra...]
+  local name=$1; shift
+  [ -d "$1" ] || { echo "=== $ENGINE serve $name: skipped, $1 is not here"; return; }
+  echo "=== $ENGINE serve $name"
+  python3 integration/serve_check.py --engine "$ENGINE" --out "$R/$name.json" --log "$R/$name.log" --model "$@" \
+    > "$R/$name.summary" 2>&1 || status=1
+  head -c 1500 "$R/$name.summary"; echo
+}
+quantize_both() {  # name
+  for fmt in modelopt compressed-tensors; do
+    python3 -m nvfp4_plugin.cli quantize "$M/$1-bf16" "$M/$1-$fmt" --format "$fmt" --device cuda || status=1
+  done
+}
+serve_all() {  # name [with-bf16]
+  serve "$1-ours-modelopt" "$M/$1-modelopt" --quantization nvfp4
+  serve "$1-ours-ct" "$M/$1-compressed-tensors" --quantization nvfp4
+  NVFP4_PLUGIN_LINEAR_BACKEND=reference NVFP4_PLUGIN_MOE_BACKEND=reference \
+    serve "$1-ours-modelopt-reference" "$M/$1-modelopt" --quantization nvfp4
+  serve "$1-builtin-modelopt" "$M/$1-modelopt"
+  [ -n "${2:-}" ] && serve "$1-bf16" "$M/$1-bf16"
+}
+expect_fail() {  # name model text
+  echo "=== $ENGINE corrupt $1"
+  python3 integration/serve_check.py --engine "$ENGINE" --model "$2" --quantization nvfp4 --timeout 300 \
+    --out "$R/$1.json" --expect-fail "$3" > "$R/$1.summary" 2>&1 || status=1
+  head -c 800 "$R/$1.summary"; echo
+}
+for s in "$@"; do
+  case "$s" in
+    models)
+      for arch in llama qwen3_moe; do
+        [ -d "$M/$arch-bf16" ] || python3 -m nvfp4_plugin.cli make-model "$M/$arch-bf16" --arch "$arch" --size tiny || status=1
+        quantize_both "$arch"
+      done ;;
+    smollm2) quantize_both smollm2 ;;
+    llama) serve_all llama with-bf16 ;;
+    moe) serve_all qwen3_moe ;;
+    smol) serve_all smollm2 with-bf16 ;;
+    cachecheck)  # the reference backend after a default-backend run of the same model (vLLM's compile cache)
+      serve "llama-ours-modelopt" "$M/llama-modelopt" --quantization nvfp4
+      NVFP4_PLUGIN_LINEAR_BACKEND=reference NVFP4_PLUGIN_MOE_BACKEND=reference \
+        serve "llama-ours-modelopt-reference" "$M/llama-modelopt" --quantization nvfp4 ;;
+    corrupt)
+      rm -rf "$M/bad1" "$M/bad2"; cp -r "$M/llama-modelopt" "$M/bad1"; cp -r "$M/llama-modelopt" "$M/bad2"
+      python3 integration/corrupt_checkpoint.py "$M/bad1" drop-tensor model.layers.0.self_attn.k_proj.weight_scale
+      python3 integration/corrupt_checkpoint.py "$M/bad2" set-scalar model.layers.1.mlp.down_proj.weight_scale_2 inf
+      expect_fail corrupt-missing "$M/bad1" "model.layers.0.self_attn.k_proj.weight_scale"
+      expect_fail corrupt-inf "$M/bad2" "model.layers.1.mlp.down_proj.weight_scale_2" ;;
+    ref)
+      for name in llama qwen3_moe smollm2; do
+        [ -d "$M/$name-modelopt" ] && { python3 integration/reference_logprobs.py --model "$M/$name-modelopt" \
+          --out "$R/$name-ref.json" > "$R/$name-ref.summary" 2>&1 || status=1; tail -c 400 "$R/$name-ref.summary"; }
+        [ -d "$M/$name-bf16" ] && { python3 integration/reference_logprobs.py --model "$M/$name-bf16" \
+          --out "$R/$name-bf16-ref.json" > "$R/$name-bf16-ref.summary" 2>&1 || status=1; }
+      done ;;
+    compare) python3 integration/compare_logprobs.py "$R" --md "$R/compare.md" || status=1 ;;
+    *) echo "unknown step $s"; status=2 ;;
+  esac
+done
+tar czf "${OUT:-/tmp}/e2e-$ENGINE.tgz" -C "$R" . 2>/dev/null; ls -la "${OUT:-/tmp}/e2e-$ENGINE.tgz"
+exit $status

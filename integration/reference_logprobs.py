@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""The CPU reference of a served checkpoint: the same requests as serve_check.py, answered by
+transformers in fp32 on the exactly dequantized weights (``nvfp4-plugin dequantize``).
+
+    python integration/reference_logprobs.py --model NVFP4_OR_PLAIN_DIR --out ref.json
+
+Writes ``prompt_logprobs`` (per prompt token after the first, of serve_check.LOGPROB_PROMPT) and the
+greedy ``completion`` of serve_check.PROMPT (16 tokens), the keys serve_check.py records, so
+compare_logprobs.py can line them up. This is what the served W4A16 paths compute, without the
+engines' bf16 activations: the reference for "ours equals our CPU reference layers".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from serve_check import LOGPROB_PROMPT, PROMPT  # noqa: E402
+
+
+def reference(model_dir: str, threads: int | None = None) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nvfp4_plugin.checkpoints.config import HF_QUANT_CONFIG
+    from nvfp4_plugin.checkpoints.dequantize import dequantize_checkpoint
+
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    quantized = "quantization_config" in cfg or (Path(model_dir) / HF_QUANT_CONFIG).exists()
+    with tempfile.TemporaryDirectory(prefix="nvfp4-ref-") as tmp:
+        plain = model_dir
+        if quantized:
+            plain = os.path.join(tmp, "dequantized")
+            dequantize_checkpoint(model_dir, plain, dtype="float32")
+        tok = AutoTokenizer.from_pretrained(plain)
+        model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+        with torch.no_grad():
+            ids = tok(LOGPROB_PROMPT, return_tensors="pt").input_ids
+            logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+            prompt_logprobs = logp[:-1].gather(1, ids[0, 1:, None])[:, 0].tolist()
+            p = tok(PROMPT, return_tensors="pt").input_ids
+            out = model.generate(p, max_new_tokens=16, do_sample=False, attention_mask=torch.ones_like(p))
+            completion = tok.decode(out[0, p.shape[1]:], skip_special_tokens=True)
+    return {"engine": "reference (transformers fp32, dequantized weights)", "model": model_dir,
+            "quantized": quantized, "prompt_logprobs": prompt_logprobs, "completion": completion}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    res = reference(args.model, args.threads)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "prompt_logprobs"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
