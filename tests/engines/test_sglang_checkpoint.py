@@ -142,3 +142,63 @@ def test_model_config_that_disagrees_with_the_checkpoint_is_refused_by_name():
                                          r"'model.layers.0.self_attn.qkv_proj' \(from the model config\), "
                                          r"got \[(256|128), 64\]"):
         load_model(path)
+
+
+def _builtin_dequant(packed, block_scale, decode_scales, rows_per_shard):
+    """How SGLang's built-in ModelOpt path reads a fused weight: code x block scale x the shard's
+    weight_scale_2 (a decode scale), row block by row block."""
+    g = torch.cat([s.reshape(1).expand(n) for s, n in zip(decode_scales.reshape(-1), rows_per_shard)])
+    return ref.dequantize_fp4(packed, block_scale, torch.ones_like(g), swizzled=False, m=packed.shape[-2],
+                              k=packed.shape[-1] * 2) * g[:, None]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_builtin_modelopt_fp4_loader_reads_our_quantize_output(arch, tmp_path, monkeypatch):
+    """Issue #6: `nvfp4-plugin quantize` output is accepted by SGLang's own modelopt_fp4 (no
+    --quantization): every tensor lands in SGLang's parameters, and the weights SGLang would compute
+    with equal our canonical dequantization. SGLang's after-loading step (Marlin repacking on Hopper)
+    needs a GPU and is skipped (as is the swizzled copy of the MoE block scales that create_weights
+    allocates on the GPU); the layout it starts from is what is checked."""
+    from sglang.srt.layers.moe.utils import MoeRunnerBackend
+    from sglang.srt.layers.quantization import modelopt_quant as mq
+    from sglang.srt.runtime_context import get_flags
+
+    from nvfp4_plugin.checkpoints import make_model, quantize_checkpoint
+
+    make_model(tmp_path / "src", arch, "tiny", seed=5, device="cpu")
+    quantize_checkpoint(tmp_path / "src", tmp_path / "q", device="cpu", calib_samples=2, calib_seq_len=64,
+                        progress=False)
+    monkeypatch.setattr(mq.ModelOptFp4LinearMethod, "process_weights_after_loading", lambda self, layer: None)
+    monkeypatch.setattr(mq.ModelOptNvFp4FusedMoEMethod, "process_weights_after_loading", lambda self, layer: None)
+    monkeypatch.setattr(get_flags().moe, "runner_backend", MoeRunnerBackend.MARLIN)  # what Hopper runs
+    monkeypatch.setattr(mq, "swizzle_blockscale", lambda s: s.clone())  # create_weights' copy calls .cuda()
+    model, model_config = load_model(str(tmp_path / "q"), quantization=None)
+    assert model_config.quantization == "modelopt_fp4"
+    ckpt = open_checkpoint(tmp_path / "q")
+    covered = set()
+    rtol = 2.0 ** -22  # decode x vs / encode: the two differ by at most one fp32 rounding
+    for name, layer in model.named_modules():
+        qm = getattr(layer, "quant_method", None)
+        if isinstance(qm, mq.ModelOptFp4LinearMethod):
+            parts = name.rsplit(".", 1)[0] + "."
+            shards = ([parts + s for s in ("q_proj", "k_proj", "v_proj")] if name.endswith("qkv_proj") else
+                      [parts + s for s in ("gate_proj", "up_proj")] if name.endswith("gate_up_proj") else [name])
+            cl = ckpt.load_fused(shards)
+            rows = [ckpt.modules[s].n for s in shards]
+            got = _builtin_dequant(layer.weight, layer.weight_scale, layer.weight_scale_2, rows)
+            torch.testing.assert_close(got, cl.weight.dequantize(), rtol=rtol, atol=0, msg=name)
+            # input scales: the built-in path uses the largest decode scale of the shards
+            want_in = max(float(ckpt.read_tensor(s + ".input_scale")) for s in shards)
+            assert float(layer.input_scale.max()) == want_in, name
+            covered |= set(shards)
+        elif isinstance(qm, mq.ModelOptNvFp4FusedMoEMethod):
+            ce = ckpt.load_experts(name)
+            e, two_i = ce.w13.packed.shape[:2]
+            for w, pre, halves in ((ce.w13, "w13", [two_i // 2] * 2), (ce.w2, "w2", [ce.w2.n])):
+                s2 = getattr(layer, f"{pre}_weight_scale_2").reshape(e, -1)
+                got = torch.stack([_builtin_dequant(getattr(layer, f"{pre}_weight")[i],
+                                                    getattr(layer, f"{pre}_weight_scale")[i],
+                                                    s2[i].expand(len(halves)), halves) for i in range(e)])
+                torch.testing.assert_close(got, w.dequantize(), rtol=rtol, atol=0, msg=f"{name}.{pre}")
+            covered |= {m for m in ckpt.modules if m.startswith(name + ".")}
+    assert covered == set(ckpt.modules), sorted(set(ckpt.modules) - covered)
