@@ -90,6 +90,19 @@ def _with_sigterm_as_interrupt(fn, args) -> int:
         signal.signal(signal.SIGTERM, old)
 
 
+def _write_folder(tool: str, dst, fn, errors: tuple):
+    """Run ``fn()``, which writes the folder ``dst`` atomically, with SIGTERM handled as Ctrl-C.
+    Returns (exit code, fn's result or None), having printed why it failed."""
+    try:
+        return 0, _with_sigterm_as_interrupt(lambda _a: fn(), None)
+    except errors as exc:
+        print(f"nvfp4-plugin {tool}: error: {exc}", file=sys.stderr)
+        return 2, None
+    except KeyboardInterrupt:
+        print(f"nvfp4-plugin {tool}: interrupted; {dst} was not written", file=sys.stderr)
+        return 130, None
+
+
 def _setup_logging(quiet: bool) -> None:
     import logging
 
@@ -110,14 +123,10 @@ def quantize(args) -> int:
                            calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
                            per_shard_global_scales=args.per_shard_global_scales, max_shard_size=args.max_shard_size,
                            overwrite=args.overwrite, progress=not args.quiet)
-    try:
-        report = _with_sigterm_as_interrupt(lambda _a: quantize_checkpoint(args.src, args.dst, opts), args)
-    except (CheckpointError, FileExistsError, MissingDependency) as exc:
-        print(f"nvfp4-plugin quantize: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"nvfp4-plugin quantize: interrupted; {args.dst} was not written", file=sys.stderr)
-        return 130
+    rc, report = _write_folder("quantize", args.dst, lambda: quantize_checkpoint(args.src, args.dst, opts),
+                               (CheckpointError, FileExistsError, MissingDependency))
+    if rc:
+        return rc
     print(report.summary())
     if report.filled_experts:
         print(f"note: {len(report.filled_experts)} experts saw no calibration tokens and use their layer's largest "
@@ -157,16 +166,13 @@ def dequantize_cmd(args) -> int:
     from .checkpoints.errors import CheckpointError
 
     _setup_logging(args.quiet)
-    try:
-        report = _with_sigterm_as_interrupt(
-            lambda _a: dequantize_checkpoint(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite,
-                                             max_shard_size=args.max_shard_size), args)
-    except (CheckpointError, FileExistsError) as exc:
-        print(f"nvfp4-plugin dequantize: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"nvfp4-plugin dequantize: interrupted; {args.dst} was not written", file=sys.stderr)
-        return 130
+    rc, report = _write_folder(
+        "dequantize", args.dst, lambda: dequantize_checkpoint(args.src, args.dst, dtype=args.dtype,
+                                                              overwrite=args.overwrite,
+                                                              max_shard_size=args.max_shard_size),
+        (CheckpointError, FileExistsError))
+    if rc:
+        return rc
     print(report.summary())
     return 0
 

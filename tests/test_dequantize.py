@@ -163,3 +163,28 @@ def test_reference_logprobs_and_comparison(checkpoints, tmp_path):
     assert rows["ours-modelopt"][4].startswith("0.5000 / ")
     assert rows["ours-modelopt"][5] == "yes" and rows["builtin-modelopt"][5] == "no"
     assert rows["builtin-modelopt"][3].startswith("0.5000") and rows["builtin-modelopt"][4] == "n/a"
+
+
+def test_cli_sigterm_and_ctrl_c_leave_no_output(checkpoints, tmp_path, monkeypatch, capsys):
+    """SIGTERM mid-write is handled like Ctrl-C: exit code 130, a message naming DST, no DST."""
+    import os
+    import signal
+
+    from nvfp4_plugin.checkpoints import dequantize as dq
+    from nvfp4_plugin.weights import Nvfp4Weight
+
+    real = Nvfp4Weight.dequantize
+
+    def terminated(self, dtype=torch.float32):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, dtype)
+
+    monkeypatch.setattr(Nvfp4Weight, "dequantize", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    dst = tmp_path / "o"
+    assert cli.main(["dequantize", str(checkpoints["llama", MODELOPT]), str(dst), "--quiet"]) == 130
+    assert f"interrupted; {dst} was not written" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is before  # the CLI's handler is gone again
+    monkeypatch.setattr(dq, "open_checkpoint", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    assert cli.main(["dequantize", str(checkpoints["llama", MODELOPT]), str(dst), "--quiet"]) == 130
