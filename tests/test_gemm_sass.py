@@ -17,7 +17,9 @@ CASES = [
     # (config, expected tensor-core op, max instructions per weight element in the main loop)
     (dict(bn=64, bm=8, bk=256, v2=True, num_warps=4, num_stages=4), "HMMA", 3.3),
     (dict(bn=64, bm=16, bk=256, num_warps=4, num_stages=3), "HGMMA", 4.0),
-    (dict(bn=128, bm=128, bk=64, num_warps=8, num_stages=4), "HGMMA", 6.0),
+    (dict(bn=128, bm=64, bk=128, num_warps=8, num_stages=3), "HGMMA", 4.5),
+    # 64 FSEL of the wait that keeps the register A operand safe (see test_no_register_race) on top
+    (dict(bn=128, bm=128, bk=64, num_warps=8, num_stages=4), "HGMMA", 7.0),
 ]
 
 SCRIPT = r"""
@@ -27,7 +29,8 @@ from nvfp4_plugin.gemm import inspect_sass as I
 cfg = W4Config(**json.loads(sys.argv[1]))
 s = I.summary(I.compile_config(cfg, mode=int(sys.argv[2])))
 inner = s["loops"][-1] if int(sys.argv[2]) == 0 else max(s["loops"], key=lambda l: l[1].get("HMMA", 0) + l[1].get("HGMMA", 0))
-print(json.dumps(dict(local=s["local"], hgmma=s["hgmma"], hmma=s["hmma"], loop_n=inner[0], loop_ops=dict(inner[1]))))
+print(json.dumps(dict(local=s["local"], hgmma=s["hgmma"], hmma=s["hmma"], loop_n=inner[0], loop_ops=dict(inner[1]),
+                      hazards=s["rs_wgmma_hazards"])))
 """
 
 
@@ -40,7 +43,7 @@ def _triton_has_ptxas() -> bool:
 
 
 @pytest.mark.skipif(not _triton_has_ptxas(), reason="needs triton with its bundled ptxas")
-@pytest.mark.parametrize("cfg,op,budget", CASES, ids=["v2_bm8", "v3_bm16", "v3_bm128"])
+@pytest.mark.parametrize("cfg,op,budget", CASES, ids=["v2_bm8", "v3_bm16", "v3_bm64", "v3_bm128"])
 @pytest.mark.parametrize("mode", [0, 1], ids=["dense", "grouped"])
 def test_sm90_sass(cfg, op, budget, mode):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -58,3 +61,37 @@ def test_sm90_sass(cfg, op, budget, mode):
     assert r["loop_ops"].get("HMUL2", 0) > 0, r                 # the scale multiply is packed bf16x2
     elems_per_thread = cfg["bn"] * cfg["bk"] / (32 * cfg["num_warps"])
     assert r["loop_n"] / elems_per_thread <= budget, r
+    # no write to the register A operand of a wgmma that may still run (triton-lang/triton#9433)
+    assert r["hazards"] == ([] if op == "HGMMA" else None), r["hazards"]
+
+
+# The shape of Triton 3.6's pipelined register-A wgmma loop (abridged from the kernel's own SASS before
+# the fix): three of four wgmmas stay in flight across the back edge, and the next decode overwrites
+# their A registers R92..R99 before the first wait.
+_RACY = """
+        /*1770*/                   IMAD R96, R113, 0x800, R11 ;
+        /*1780*/                   LDS.64 R100, [R96+0x13000] ;
+        /*1790*/                   LOP3.LUT R88, R5, 0xf, RZ, 0xc0, !PT ;
+        /*17a0*/                   WARPGROUP.ARRIVE ;
+        /*17b0*/                   HGMMA.64x128x16.F32.BF16 R24, R100, gdesc[UR12], R24, gsb0 ;
+        /*17c0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x3 ;
+        /*17d0*/                   HGMMA.64x128x16.F32.BF16 R24, R88, gdesc[UR12], R24, gsb0 ;
+        /*17e0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x3 ;
+        /*17f0*/                   HGMMA.64x128x16.F32.BF16 R24, R92, gdesc[UR12], R24, gsb0 ;
+        /*1800*/                   WARPGROUP.DEPBAR.LE gsb0, 0x3 ;
+        /*1810*/                   HGMMA.64x128x16.F32.BF16 R24, R96, gdesc[UR12], R24, gsb0 ;
+        /*1820*/                   WARPGROUP.DEPBAR.LE gsb0, 0x3 ;
+        /*1830*/              @!P0 BRA 0x1770 ;
+"""
+
+
+def test_register_race_scanner():
+    from nvfp4_plugin.gemm.inspect_sass import rs_wgmma_hazards
+
+    hits = rs_wgmma_hazards(_RACY)
+    assert hits == ["/*1770*/ IMAD R96, R113, 0x800, R11", "/*1790*/ LOP3.LUT R88, R5, 0xf, RZ, 0xc0, !PT"]
+    safe = _RACY.replace("gsb0, 0x3", "gsb0, 0x0")  # every wgmma waited for before the loop goes on
+    assert rs_wgmma_hazards(safe) == []
+    shared_a = _RACY.replace("R24, R88,", "R24, gdesc[UR4],").replace("R24, R92,", "R24, gdesc[UR4],") \
+        .replace("R24, R96,", "R24, gdesc[UR4],").replace("R24, R100,", "R24, gdesc[UR4],")
+    assert rs_wgmma_hazards(shared_a) is None  # A from shared memory: no register operand to race on

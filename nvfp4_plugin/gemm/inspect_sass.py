@@ -95,13 +95,71 @@ def loops(sass: str):
     return sorted(res, key=lambda r: r[0])
 
 
+# Opcodes whose first operand is not a register they write.
+_NO_DEST = ("HGMMA", "WARPGROUP", "BAR", "DEPBAR", "LDGSTS", "LDGDEPBAR", "BRA", "ST", "STS", "STG", "RED", "ATOM",
+            "EXIT", "NOP", "WARPSYNC", "MEMBAR", "FENCE", "CCTL", "ARRIVES", "SYNCS")
+
+
+def _written_regs(text: str) -> set[int]:
+    t = re.sub(r"^@!?U?P\w+\s+", "", text)
+    op = t.split()[0]
+    if op.split(".")[0] in _NO_DEST or op.startswith(("ISETP", "FSETP", "HSETP", "U")):
+        return set()  # predicates and uniform registers are not A operands
+    m = re.match(r"R(\d+)\b", t[len(op):].strip())
+    if m is None:
+        return set()
+    width = 4 if ".128" in op else 2 if (".64" in op or op.startswith(("IMAD.WIDE", "MOV.64"))) else 1
+    return set(range(int(m.group(1)), int(m.group(1)) + width))
+
+
+def rs_wgmma_hazards(sass: str) -> list[str] | None:
+    """Instructions at the top of the wgmma main loop that write registers which wgmmas of the previous
+    iteration read as their A operand and may still be reading: those issued after the loop's last
+    ``WARPGROUP.DEPBAR.LE gsb0, N`` covers them (N groups stay in flight across the back edge), written
+    before the next iteration's first DEPBAR. Any such write is undefined behaviour (the register race
+    of triton-lang/triton#9433). Returns None when the SASS has no loop with register-A wgmmas."""
+    ins = _instructions(sass)
+    loop = None
+    for addr, text in ins:
+        m = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            lo = int(m.group(1), 16)
+            if any(t.startswith("HGMMA") for a, t in ins if lo <= a <= addr) and (loop is None or addr - lo < loop[1] - loop[0]):
+                loop = (lo, addr)
+    if loop is None:
+        return None
+    body = [(a, t) for a, t in ins if loop[0] <= a <= loop[1]]
+    groups, cur, rs = [], set(), False
+    for _, t in body:
+        if t.startswith("HGMMA"):
+            m = re.match(r"R(\d+)$", t.split(",")[1].strip())  # A operand: registers, or gdesc (shared)
+            if m:
+                rs = True
+                cur |= set(range(int(m.group(1)), int(m.group(1)) + 4))
+            if "gsb0" in t:
+                groups.append(cur)
+                cur = set()
+    if not rs:
+        return None
+    waits = [t for _, t in body if t.startswith("WARPGROUP.DEPBAR")]
+    pending = int(waits[-1].split(",")[-1], 16) if waits else len(groups)
+    in_flight = set().union(*groups[len(groups) - pending:]) if pending else set()
+    hits = []
+    for a, t in body:
+        if t.startswith("WARPGROUP.DEPBAR"):
+            break
+        if _written_regs(t) & in_flight:
+            hits.append(f"/*{a:04x}*/ {t}")
+    return hits
+
+
 def summary(compiled) -> dict:
     sass = sass_text(compiled)
     ops = collections.Counter(t.split()[0].split(".")[0] for _, t in _instructions(sass))
     md = compiled.metadata
     return {"shared": md.shared, "spills": getattr(compiled, "n_spills", None), "regs": getattr(compiled, "n_regs", None),
             "local": ops.get("LDL", 0) + ops.get("STL", 0), "hgmma": ops.get("HGMMA", 0), "hmma": ops.get("HMMA", 0),
-            "loops": loops(sass)}
+            "loops": loops(sass), "rs_wgmma_hazards": rs_wgmma_hazards(sass)}
 
 
 def main(argv=None) -> int:
@@ -123,7 +181,8 @@ def main(argv=None) -> int:
     if a.dump:
         with open(a.dump, "w") as f:
             f.write(sass_text(ck))
-    print(f"{cfg}\nshared={s['shared']} local_mem_instrs={s['local']} HGMMA={s['hgmma']} HMMA={s['hmma']}")
+    print(f"{cfg}\nshared={s['shared']} local_mem_instrs={s['local']} HGMMA={s['hgmma']} HMMA={s['hmma']} "
+          f"register-A wgmma hazards={s['rs_wgmma_hazards']}")
     for n, c in s["loops"]:
         print(f"  loop: {n} instrs: " + ", ".join(f"{k}={v}" for k, v in c.most_common(14)))
     return 0

@@ -193,9 +193,12 @@ def heuristic(kind: str, m: int, n: int, k: int, e: int = 1, sms: int = 132) -> 
 
 
 #: Largest token tile allowed. Programs with bm >= 128 (wgmma, 8 warps) gave wrong results on the
-#: H200 once the grid spans several waves (dense N=4096, M>=1000: up to 1e25 ulps, varying from run
-#: to run: a race not yet found; benchmarks/diag_gemm_tiles.py reproduces it). Until it is fixed,
-#: such configs are narrowed to bm=64, which was correct everywhere.
+#: H200 when two CTAs shared an SM (dense N=4096, M>=1000: up to 1e25 ulps, varying from run to run;
+#: benchmarks/diag_gemm_tiles.py reproduces it). Cause, found in the SASS: Triton 3.6 lets the next
+#: K step's decode overwrite the register A operand of wgmmas still in flight (triton-lang/triton#9433),
+#: in every wgmma config, bm=64 included; triton_w4._mma_tile now waits for the dot, and
+#: tests/test_gemm_sass.py checks the SASS. Lift this once the H200 shows bm=128 correct with that fix
+#: (tests/test_gemm.py::test_gpu_known_bad_bm128_tiles then passes, and its strict xfail flags it).
 MAX_SAFE_BM = 64
 
 

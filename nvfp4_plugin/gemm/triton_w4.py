@@ -250,6 +250,13 @@ def _mma_tile(x_ptr, stride_xm, src_rows, row_ok, q_tile, s_tile, k_lo, k_hi, K,
             x = tl.reshape(tl.permute(xr, [0, 1, 3, 2, 4]), [BM, BK])  # m, j, c, kh, e
         if USE_ASM:
             acc = tl.dot(w, tl.trans(x), acc)
+            if not V2:
+                # wgmma with the decoded weights as its register A operand: Triton 3.6 splits the dot
+                # into async wgmmas and lets the next iteration's decode overwrite their A registers
+                # while they may still be reading them (undefined behaviour: wrong tiles under load;
+                # triton-lang/triton#9433). A non-dot use of acc (always true) makes the pipeliner
+                # wait for the dot here; the SASS test checks that no such write is left.
+                acc = tl.where(k0 >= k_lo, acc, 0.0)
         else:
             # interpreter: 16-bit float dots are not emulated faithfully there; fp32 is exact here
             acc = tl.dot(w, tl.trans(x).to(tl.float32), acc, input_precision="ieee")
