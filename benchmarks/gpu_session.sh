@@ -6,6 +6,7 @@
 #   pytest    all tests (any marker) of the files in $PYTEST_FILES, on the GPU
 #   sanitize  compute-sanitizer memcheck + racecheck over the compiled ops
 #   bench-quant / bench-triton / bench-gemm / tune-gemm / bench-quantize   the benchmark scripts
+#   diag-gemm every tile shape against the reference on the shapes that exposed the wgmma race
 set -uo pipefail
 cd "$(dirname "$0")/.."
 R=/tmp/session; mkdir -p "$R"
@@ -29,6 +30,7 @@ for s in "$@"; do
     sanitize)
       step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py
       step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py ;;
+    diag-gemm) step diag-gemm python3 benchmarks/diag_gemm_tiles.py ;;
     bench-quant) step bench-quant python3 benchmarks/bench_quant.py --out "$R" ;;
     bench-triton) step bench-triton python3 benchmarks/bench_triton_quant.py --out "$R/triton_quant_h200.md" ;;
     bench-gemm) step bench-gemm python3 benchmarks/bench_gemm.py --out "$R" ;;
