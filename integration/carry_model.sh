@@ -12,7 +12,7 @@ case "$cmd" in
     src=$1; name=$2; mb=${3:-60}
     [[ -d $src ]] || die "$src is not a folder"
     root=$(git rev-parse --show-toplevel); out=$root/.carry; mkdir -p "$out"
-    rm -rf "$out/$name"-*; tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+    rm -rf "$out/$name"-[0-9] "$out/$name"-[0-9][0-9]; tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
     tar -C "$(dirname "$src")" -cf "$tmp/$name.tar" "$(basename "$src")"
     (cd "$tmp" && split -b "${mb}M" -d -a 2 "$name.tar" "$name.part-" && sha256sum "$name.tar" > "$name.sha256")
     i=0

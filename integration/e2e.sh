@@ -17,7 +17,8 @@
 #   ref         CPU reference (integration/reference_logprobs.py: transformers fp32 on the dequantized
 #               weights) of every ModelOpt checkpoint and bf16 model in $M
 #   compare     the logprob table of everything in $R (integration/compare_logprobs.py -> $R/compare.md)
-# Results (one JSON per server, logs) are packed into $OUT/e2e-ENGINE.tgz.
+# Results (one JSON per server, logs) are packed into $OUT/e2e-ENGINE.tgz. $R accumulates over calls
+# of one hold (steps can be split across device calls); a later run of a step overwrites its files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ENGINE=${1:?usage: e2e.sh vllm|sglang STEP...}; shift
@@ -29,7 +30,9 @@ case "$ENGINE" in
   sglang) GROUP=sglang.srt.plugins
     # SGLang JIT-compiles its bf16 kernels with the box's nvcc, ninja and c++ (sglang-bundle README).
     export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} TVM_FFI_CACHE_DIR=/tmp/tvm-ffi-cache
-    command -v ninja >/dev/null || export PATH="$(python3 -c 'import ninja; print(ninja.BIN_DIR)'):$PATH" ;;
+    if ! command -v ninja >/dev/null; then
+      nb=$(python3 -c 'import ninja; print(ninja.BIN_DIR)' 2>/dev/null) && [ -n "$nb" ] && export PATH="$nb:$PATH"
+    fi ;;
   *) echo "unknown engine $ENGINE (vllm | sglang)"; exit 2 ;;
 esac
 # The package is not pip-installed on the GPU machine: expose its entry points to importlib.metadata
@@ -45,8 +48,10 @@ serve() {  # name model [--quantization q] [extra...]
     > "$R/$name.summary" 2>&1 || status=1
   head -c 1500 "$R/$name.summary"; echo
 }
-quantize_both() {  # name
+quantize_both() {  # name (outputs already there, e.g. carried in, are kept)
   for fmt in modelopt compressed-tensors; do
+    [ -d "$M/$1-$fmt" ] && { echo "=== quantize $1 $fmt: $M/$1-$fmt is already there"; continue; }
+    [ -d "$M/$1-bf16" ] || { echo "=== quantize $1 $fmt: no $M/$1-bf16"; continue; }
     python3 -m nvfp4_plugin.cli quantize "$M/$1-bf16" "$M/$1-$fmt" --format "$fmt" --device cuda || status=1
   done
 }

@@ -98,8 +98,9 @@ def _write_folder(tool: str, dst, fn, errors: tuple):
     except errors as exc:
         print(f"nvfp4-plugin {tool}: error: {exc}", file=sys.stderr)
         return 2, None
-    except KeyboardInterrupt:
-        print(f"nvfp4-plugin {tool}: interrupted; {dst} was not written", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        what = "after it was complete" if getattr(exc, "output_complete", False) else "it was not written"
+        print(f"nvfp4-plugin {tool}: interrupted; {dst}: {what}", file=sys.stderr)
         return 130, None
 
 
@@ -249,7 +250,9 @@ def main(argv=None) -> int:
                                    "for weight-only serving).")
     p.add_argument("src", help="NVFP4 checkpoint folder")
     p.add_argument("dst", help="output folder (must not exist unless --overwrite)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+    from .checkpoints.dequantize import DTYPES
+
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="weight dtype (default float32: exact; the 16-bit types round the dequantized values)")
     p.add_argument("--max-shard-size", default="5GB")
     p.add_argument("--overwrite", action="store_true")

@@ -183,8 +183,86 @@ def test_cli_sigterm_and_ctrl_c_leave_no_output(checkpoints, tmp_path, monkeypat
     before = signal.getsignal(signal.SIGTERM)
     dst = tmp_path / "o"
     assert cli.main(["dequantize", str(checkpoints["llama", MODELOPT]), str(dst), "--quiet"]) == 130
-    assert f"interrupted; {dst} was not written" in capsys.readouterr().err
+    assert f"interrupted; {dst}: it was not written" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
     assert signal.getsignal(signal.SIGTERM) is before  # the CLI's handler is gone again
     monkeypatch.setattr(dq, "open_checkpoint", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     assert cli.main(["dequantize", str(checkpoints["llama", MODELOPT]), str(dst), "--quiet"]) == 130
+
+
+def test_config_dtype_keys_and_kv_scales(checkpoints, tmp_path):
+    """Every dtype key transformers reads says the new dtype; KV-cache scales do not outlive the
+    quantization config that gave them meaning."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(checkpoints["llama", MODELOPT], src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(dtype="bfloat16", torch_dtype="bfloat16", text_config={"dtype": "bfloat16"})
+    (src / "config.json").write_text(json.dumps(cfg))
+    t = _tensors(src)
+    t["model.layers.0.self_attn.k_proj.k_scale"] = torch.tensor(1.0)
+    t["model.layers.0.self_attn.v_proj.v_scale"] = torch.tensor(1.0)
+    for p in src.glob("*.safetensors"):
+        p.unlink()
+    save_file(t, str(src / "model.safetensors"))
+    dst = Path(dequantize_checkpoint(src, tmp_path / "out").dst)
+    out = json.loads((dst / "config.json").read_text())
+    assert out["dtype"] == out["torch_dtype"] == out["text_config"]["dtype"] == "float32"
+    assert not [k for k in _tensors(dst) if k.endswith(("k_scale", "v_scale"))]
+
+
+def test_destination_inside_source_and_equal_to_it(checkpoints, tmp_path, capsys):
+    import shutil
+
+    src = tmp_path / "q"
+    shutil.copytree(checkpoints["llama", CT], src)
+    dequantize_checkpoint(src, src / "plain")
+    dequantize_checkpoint(src, src / "plain", overwrite=True)  # must not copy the old output into the new one
+    assert sorted(p.name for p in (src / "plain").iterdir() if p.is_dir()) == []
+    assert cli.main(["dequantize", str(src), str(src), "--overwrite", "--quiet"]) == 2
+    assert "DST must differ from SRC" in capsys.readouterr().err
+
+
+def test_staged_output_dir_swap_is_all_or_nothing(tmp_path, monkeypatch):
+    """An existing DST survives a failed swap; an interrupt after the swap is marked output_complete."""
+    import os
+
+    from nvfp4_plugin.checkpoints import safetensors_io as sio
+
+    dst = tmp_path / "d"
+    dst.mkdir()
+    (dst / "f").write_text("old")
+    real_rename, calls = os.rename, []
+
+    def rename(a, b):
+        calls.append(1)
+        if len(calls) == 2:  # tmp -> dst, after dst was moved aside
+            raise KeyboardInterrupt
+        return real_rename(a, b)
+
+    monkeypatch.setattr(sio.os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt) as ei:
+        with sio.staged_output_dir(dst) as tmp:
+            (tmp / "f").write_text("new")
+    assert not getattr(ei.value, "output_complete", False)
+    assert (dst / "f").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+    monkeypatch.setattr(sio.os, "rename", real_rename)
+
+    real_rmtree = sio.shutil.rmtree
+    interrupted = []
+
+    def rmtree(path, *a, **k):
+        if ".old-" in str(path) and not interrupted:
+            interrupted.append(path)
+            raise KeyboardInterrupt
+        return real_rmtree(path, *a, **k)
+
+    monkeypatch.setattr(sio.shutil, "rmtree", rmtree)
+    with pytest.raises(KeyboardInterrupt) as ei:
+        with sio.staged_output_dir(dst) as tmp:
+            (tmp / "f").write_text("new")
+    assert ei.value.output_complete and interrupted
+    assert (dst / "f").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["d"]

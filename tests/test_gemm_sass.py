@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from tests._require import required_here
+
 CASES = [
     # (config, expected tensor-core op, max instructions per weight element in the main loop)
     (dict(bn=64, bm=8, bk=256, v2=True, num_warps=4, num_stages=4), "HMMA", 3.3),
@@ -42,10 +44,13 @@ def _triton_has_ptxas() -> bool:
     return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
 
 
-@pytest.mark.skipif(not _triton_has_ptxas(), reason="needs triton with its bundled ptxas")
 @pytest.mark.parametrize("cfg,op,budget", CASES, ids=["v2_bm8", "v3_bm16", "v3_bm64", "v3_bm128"])
 @pytest.mark.parametrize("mode", [0, 1], ids=["dense", "grouped"])
 def test_sm90_sass(cfg, op, budget, mode):
+    if not _triton_has_ptxas():
+        if "triton" in required_here():
+            pytest.fail("NVFP4_TEST_REQUIRE=triton but triton has no bundled ptxas", pytrace=False)
+        pytest.skip("needs triton with its bundled ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["NVFP4_PLUGIN_GEMM_COMPILE_ONLY"] = "1"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,8 +71,8 @@ def test_sm90_sass(cfg, op, budget, mode):
 
 
 # The shape of Triton 3.6's pipelined register-A wgmma loop (abridged from the kernel's own SASS before
-# the fix): three of four wgmmas stay in flight across the back edge, and the next decode overwrites
-# their A registers R92..R99 before the first wait.
+# the fix): three of four wgmma groups (A registers R88..R99) stay in flight across the back edge, and
+# the next decode overwrites R96 and R88 before the first wait.
 _RACY = """
         /*1770*/                   IMAD R96, R113, 0x800, R11 ;
         /*1780*/                   LDS.64 R100, [R96+0x13000] ;
@@ -92,6 +97,14 @@ def test_register_race_scanner():
     assert hits == ["/*1770*/ IMAD R96, R113, 0x800, R11", "/*1790*/ LOP3.LUT R88, R5, 0xf, RZ, 0xc0, !PT"]
     safe = _RACY.replace("gsb0, 0x3", "gsb0, 0x0")  # every wgmma waited for before the loop goes on
     assert rs_wgmma_hazards(safe) == []
+    # a write after the first wait still races with the groups that wait leaves running
+    late = _RACY.replace("        /*17d0*/", "        /*17c8*/                   LOP3.LUT R93, R5, 0xf, RZ, 0xc0, !PT ;\n"
+                                             "        /*17d0*/")
+    assert "/*17c8*/ LOP3.LUT R93, R5, 0xf, RZ, 0xc0, !PT" in rs_wgmma_hazards(late)
+    # register widths: a 4-register LDSM and a 64-bit CS2R reach into the in-flight A registers
+    wide = _RACY.replace("LOP3.LUT R88, R5, 0xf, RZ, 0xc0, !PT", "LDSM.16.M88.4 R86, [R3]") \
+        .replace("IMAD R96, R113, 0x800, R11", "CS2R R98, SRZ")
+    assert rs_wgmma_hazards(wide) == ["/*1770*/ CS2R R98, SRZ", "/*1790*/ LDSM.16.M88.4 R86, [R3]"]
     shared_a = _RACY.replace("R24, R88,", "R24, gdesc[UR4],").replace("R24, R92,", "R24, gdesc[UR4],") \
         .replace("R24, R96,", "R24, gdesc[UR4],").replace("R24, R100,", "R24, gdesc[UR4],")
     assert rs_wgmma_hazards(shared_a) is None  # A from shared memory: no register operand to race on

@@ -289,7 +289,7 @@ def test_existing_destination(models, tmp_path, monkeypatch):
     with pytest.raises(FileExistsError):
         quantize_checkpoint(models / "llama", dst, calibration=False, progress=False, device="cpu")
     assert (dst / "keep.txt").read_text() == "old"
-    monkeypatch.setattr(qmod, "_copy_side_files", lambda *a: (_ for _ in ()).throw(OSError("no space")))
+    monkeypatch.setattr(qmod, "copy_side_files", lambda *a, **k: (_ for _ in ()).throw(OSError("no space")))
     with pytest.raises(OSError):
         quantize_checkpoint(models / "llama", dst, calibration=False, progress=False, device="cpu", overwrite=True)
     assert (dst / "keep.txt").read_text() == "old"  # a failed overwrite keeps the old folder

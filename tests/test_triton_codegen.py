@@ -16,10 +16,12 @@ import sys
 
 import pytest
 
+from tests._require import skip_module
+
 # not imported here: importing triton in this process before TRITON_INTERPRET is set (by the other
 # test_triton_* modules, on CPU) would break the interpreter for the whole session
 if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
+    skip_module("triton", "triton is not installed")
 
 SCRIPT = r'''
 import json, sys

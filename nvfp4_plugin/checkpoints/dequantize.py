@@ -1,10 +1,14 @@
 """``nvfp4-plugin dequantize``: an NVFP4 checkpoint -> a plain Hugging Face checkpoint with the exact
 dequantized weights.
 
-Every quantized module's ``weight`` becomes E2M1 x E4M3 x global scale computed by
-:mod:`nvfp4_plugin.reference` (fp32 by default: exact; ``bfloat16``/``float16`` round the product);
-activation scales are dropped; every other tensor is copied byte for byte, as are the side files
-(tokenizer, generation config, chat template). ``config.json`` loses its ``quantization_config``
+Every quantized module's ``weight`` becomes ``e2m1 x e4m3 / encode global scale``, the reference
+dequantization of the canonical weight (:meth:`Nvfp4Weight.dequantize`, what our layers compute),
+in fp32 by default (``bfloat16``/``float16`` round it). For compressed-tensors files and for
+ModelOpt files written by ``nvfp4-plugin quantize`` (their ``weight_scale_2`` is a reciprocal fixed
+point) that is the file's own ``e2m1 x e4m3 x weight_scale_2`` bit for bit; for ModelOpt files from
+other tools the two can differ by one fp32 rounding. Activation and KV-cache scales are dropped
+(the output declares no quantization); every other tensor is copied byte for byte, as are the side
+files (tokenizer, generation config, chat template). ``config.json`` loses its ``quantization_config``
 and ``hf_quant_config.json`` is not written, so any engine or transformers loads the result as an
 unquantized model: the ground truth that "weight-only with exactly dequantized weights" must match
 (``integration/reference_logprobs.py`` runs it through transformers on the CPU).
@@ -17,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,13 +30,25 @@ import torch
 from . import formats as F
 from .config import CONFIG_JSON, HF_QUANT_CONFIG
 from .loader import open_checkpoint
-from .safetensors_io import INDEX_FILE, ShardedWriter, TensorSpec, dtype_name, parse_size, staged_output_dir
+from .errors import CheckpointError, problem
+from .safetensors_io import ShardedWriter, TensorSpec, copy_side_files, dtype_name, parse_size, staged_output_dir
 
 logger = logging.getLogger("nvfp4_plugin")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SKIP_SUFFIXES = (".safetensors",)
-_SKIP_NAMES = {INDEX_FILE, CONFIG_JSON, HF_QUANT_CONFIG}
+#: Attention / KV-cache quantization scales a quantized checkpoint may carry; meaningless without it.
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".q_scale", ".kv_scale", ".prob_scale")
+
+
+def _set_dtype(cfg: dict, dtype: str) -> None:
+    """The weight dtype in every place transformers looks (``dtype``, older ``torch_dtype``, nested
+    sub-configs such as ``text_config``)."""
+    keys = [k for k in ("dtype", "torch_dtype") if k in cfg]
+    for k in keys or ["dtype"]:
+        cfg[k] = dtype
+    for v in cfg.values():
+        if isinstance(v, dict) and any(k in v for k in ("dtype", "torch_dtype")):
+            _set_dtype(v, dtype)
 
 
 @dataclass
@@ -60,7 +75,7 @@ def dequantize_checkpoint(src, dst, *, dtype: str = "float32", overwrite: bool =
     if dst.exists() and not overwrite:
         raise FileExistsError(f"{dst} exists (pass --overwrite to replace it)")
     if dst.resolve() == src.resolve():
-        raise ValueError("DST must differ from SRC")
+        raise CheckpointError(problem(dst, None, "DST must differ from SRC"))
     torch_dtype = DTYPES[dtype]
     with open_checkpoint(src) as ckpt:
         spec = ckpt.config.spec
@@ -71,7 +86,7 @@ def dequantize_checkpoint(src, dst, *, dtype: str = "float32", overwrite: bool =
         items: list[tuple[str, str]] = []  # (kind, name): "deq" module / "copy" tensor
         specs: list[TensorSpec] = []
         for name, info in ckpt.files.tensors.items():
-            if name in dropped:
+            if name in dropped or name.endswith(KV_SCALE_SUFFIXES):
                 continue
             if name in weight_of:
                 m = weight_of[name]
@@ -82,15 +97,12 @@ def dequantize_checkpoint(src, dst, *, dtype: str = "float32", overwrite: bool =
                 items.append(("copy", name))
                 specs.append(TensorSpec(name, info.dtype, tuple(info.shape)))
         writer = None
-        try:
-            with staged_output_dir(dst) as tmp:
-                for p in src.iterdir():
-                    if p.name.startswith(".") or p.name in _SKIP_NAMES or p.suffix in _SKIP_SUFFIXES:
-                        continue
-                    (shutil.copytree if p.is_dir() else shutil.copy2)(p, tmp / p.name)
+        with staged_output_dir(dst) as tmp:
+            try:
+                copy_side_files(src, tmp, dst, skip_names=(CONFIG_JSON, HF_QUANT_CONFIG))
                 cfg = json.loads((src / CONFIG_JSON).read_text())
                 cfg.pop("quantization_config", None)
-                cfg["torch_dtype" if "torch_dtype" in cfg else "dtype"] = dtype
+                _set_dtype(cfg, dtype)
                 (tmp / CONFIG_JSON).write_text(json.dumps(cfg, indent=2) + "\n")
                 writer = ShardedWriter(tmp, specs, parse_size(max_shard_size),
                                        metadata={"format": "pt", "producer": "nvfp4-plugin dequantize"})
@@ -102,10 +114,10 @@ def dequantize_checkpoint(src, dst, *, dtype: str = "float32", overwrite: bool =
                         writer.write(f"{name}.weight", w.dequantize(torch.float32).to(torch_dtype))
                 writer.close()
                 files = list(writer.names)
-        except BaseException:
-            if writer is not None:
-                writer.abort()
-            raise
+            except BaseException:  # close the open shard before the staging folder is deleted
+                if writer is not None:
+                    writer.abort()
+                raise
         n_mod, n_copy = len(weight_of), sum(k == "copy" for k, _ in items)
     logger.info("nvfp4_plugin: dequantized %d modules of %s (%s)", n_mod, src, spec.name)
     return DequantizeReport(str(dst), n_mod, n_copy, dtype, files, time.time() - t0)

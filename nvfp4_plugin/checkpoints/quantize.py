@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -48,15 +47,12 @@ from . import naming
 from .config import (CONFIG_JSON, HF_QUANT_CONFIG, compressed_tensors_quantization_config,
                      modelopt_hf_quant_config, modelopt_quantization_config)
 from .errors import CheckpointError, problem
-from .safetensors_io import (INDEX_FILE, CheckpointFiles, ReadAhead, ShardedWriter, TensorSpec, parse_size,
+from .safetensors_io import (CheckpointFiles, ReadAhead, ShardedWriter, TensorSpec, copy_side_files, parse_size,
                              staged_output_dir)
 
 logger = logging.getLogger("nvfp4_plugin")
 
 _SOURCE_DTYPES = ("BF16", "F16", "F32")
-#: Files of the source folder that are not copied (weights in any format, and configs we rewrite).
-_SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".ckpt")
-_SKIP_NAMES = {INDEX_FILE, "pytorch_model.bin.index.json", CONFIG_JSON, HF_QUANT_CONFIG}
 
 
 @dataclass
@@ -296,16 +292,6 @@ def _quantize_group(group: QuantGroup, tensors, files: CheckpointFiles, device, 
                          F.checkpoint_input_from_encode(in_gs, options.format))
 
 
-def _copy_side_files(src: Path, dst: Path) -> None:
-    for p in src.iterdir():
-        if p.name.startswith(".") or p.name in _SKIP_NAMES or p.suffix in _SKIP_SUFFIXES:
-            continue
-        if p.is_dir():
-            shutil.copytree(p, dst / p.name, ignore=shutil.ignore_patterns(*(f"*{s}" for s in _SKIP_SUFFIXES)))
-        else:
-            shutil.copy2(p, dst / p.name)
-
-
 def _write_configs(src_config: dict, dst: Path, fmt: str, quant_algo: str, exclude_list) -> None:
     cfg = dict(src_config)
     if fmt == F.MODELOPT:
@@ -364,45 +350,46 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
     t_q = time.time()
     try:
         with staged_output_dir(dst) as tmp:
-            _copy_side_files(src, tmp)
-            _write_configs(src_config, tmp, options.format, quant_algo, plan.exclude_list)
-            writer = ShardedWriter(tmp, plan.specs, parse_size(options.max_shard_size),
-                                   metadata={"format": "pt", "producer": "nvfp4-plugin"})
-            if options.progress:
-                from tqdm import tqdm
-                bar = tqdm(total=sum(i.nbytes for i in files.tensors.values()), unit="B", unit_scale=True,
-                           desc=f"quantize ({device.type})")
-            quantizer = _Quantizer()
-            # Read each group's source tensors two groups ahead, on a background thread.
-            reader = ReadAhead(plan.items,
-                               lambda it: [files.read(w) for w in it[1].weights()] if it[0] == "quant" else None)
-            for (kind, x), data in reader:
-                if kind == "copy":
-                    writer.write_raw(x, files.file_of(x), x)
-                    done = files.info(x).nbytes
-                else:
-                    _quantize_group(x, data, files, device, options, quant_algo, input_amax, writer, quantizer)
-                    done = sum(t.numel() * t.element_size() for t in data)
+            try:
+                copy_side_files(src, tmp, dst, skip_names=(CONFIG_JSON, HF_QUANT_CONFIG))
+                _write_configs(src_config, tmp, options.format, quant_algo, plan.exclude_list)
+                writer = ShardedWriter(tmp, plan.specs, parse_size(options.max_shard_size),
+                                       metadata={"format": "pt", "producer": "nvfp4-plugin"})
+                if options.progress:
+                    from tqdm import tqdm
+                    bar = tqdm(total=sum(i.nbytes for i in files.tensors.values()), unit="B", unit_scale=True,
+                               desc=f"quantize ({device.type})")
+                quantizer = _Quantizer()
+                # Read each group's source tensors two groups ahead, on a background thread.
+                reader = ReadAhead(plan.items,
+                                   lambda it: [files.read(w) for w in it[1].weights()] if it[0] == "quant" else None)
+                for (kind, x), data in reader:
+                    if kind == "copy":
+                        writer.write_raw(x, files.file_of(x), x)
+                        done = files.info(x).nbytes
+                    else:
+                        _quantize_group(x, data, files, device, options, quant_algo, input_amax, writer, quantizer)
+                        done = sum(t.numel() * t.element_size() for t in data)
+                    if bar is not None:
+                        bar.update(done)
+                writer.close()
                 if bar is not None:
-                    bar.update(done)
-            writer.close()
-            if bar is not None:
-                bar.close()
-                bar = None
-            # Our own loader must accept the result (headers, shapes, config, scalar scale values).
-            from .loader import validate_checkpoint
-            validate_checkpoint(tmp, check_block_scales=False)
-            out_files = list(writer.names)
-            bytes_out = sum((tmp / f).stat().st_size for f in out_files)
-            t_q = time.time() - t_q
-    except BaseException:
-        if reader is not None:
-            reader.close()
-        if writer is not None:
-            writer.abort()
-        if bar is not None:
-            bar.close()
-        raise
+                    bar.close()
+                    bar = None
+                # Our own loader must accept the result (headers, shapes, config, scalar scale values).
+                from .loader import validate_checkpoint
+                validate_checkpoint(tmp, check_block_scales=False)
+                out_files = list(writer.names)
+                bytes_out = sum((tmp / f).stat().st_size for f in out_files)
+                t_q = time.time() - t_q
+            except BaseException:  # close what holds files in tmp before it is deleted
+                if reader is not None:
+                    reader.close()
+                if writer is not None:
+                    writer.abort()
+                if bar is not None:
+                    bar.close()
+                raise
     finally:
         files.close()
     if reader is not None:

@@ -18,6 +18,7 @@ import math
 import os
 import queue
 import shutil
+import signal
 import struct
 import tempfile
 import threading
@@ -494,11 +495,54 @@ class ReadAhead:
         self.close()
 
 
+#: Files of a source folder never copied to an output folder: weights in any format and their indexes
+#: (the tools write their own), besides the names a tool rewrites itself.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".ckpt")
+WEIGHT_INDEXES = (INDEX_FILE, "pytorch_model.bin.index.json")
+
+
+def copy_side_files(src: Path, out: Path, final: Path, skip_names=()) -> None:
+    """Copy what accompanies the weights (tokenizer, generation config, chat template, ...) from
+    ``src`` into the staging folder ``out`` of the output folder ``final``: everything but hidden
+    entries, weights, weight indexes and ``skip_names``; never ``final`` itself, its staging
+    siblings or a folder that contains it (an output may live inside its source)."""
+    src, final = Path(src), Path(final).resolve()
+    skip = set(WEIGHT_INDEXES) | set(skip_names)
+    ignore = shutil.ignore_patterns(*(f"*{s}" for s in WEIGHT_SUFFIXES), ".*")
+    for p in src.iterdir():
+        if p.name.startswith(".") or p.name in skip or p.suffix in WEIGHT_SUFFIXES:
+            continue
+        if final.is_relative_to(p.resolve()) or p.name.startswith((f"{final.name}.tmp-", f"{final.name}.old-")):
+            continue
+        if p.is_dir():
+            shutil.copytree(p, Path(out) / p.name, ignore=ignore)
+        else:
+            shutil.copy2(p, Path(out) / p.name)
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """SIGINT and SIGTERM wait (are blocked) while the body runs, then arrive as usual."""
+    sigs = {signal.SIGINT, signal.SIGTERM}
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 @contextlib.contextmanager
 def staged_output_dir(dst: Path):
-    """Yield a fresh temporary folder next to ``dst``; on normal exit it replaces ``dst`` (an existing
-    ``dst`` is swapped out, then removed), on any exception or Ctrl-C it is deleted: ``dst`` is
-    either complete or untouched."""
+    """Yield a fresh temporary folder next to ``dst``; when the body completes it replaces ``dst``,
+    when the body raises (Ctrl-C and SIGTERM included) it is deleted and ``dst`` is untouched.
+
+    The swap (an existing ``dst`` moved aside, the new folder renamed into place) runs with SIGINT and
+    SIGTERM deferred, so it is never cut in half; an interrupt that arrives after ``dst`` is complete
+    (during the swap or while the old folder is removed) still propagates, marked with
+    ``output_complete = True`` so that callers do not report ``dst`` as unwritten."""
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{dst.name}.tmp-", dir=dst.parent))
@@ -507,13 +551,36 @@ def staged_output_dir(dst: Path):
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; DST gets the usual permissions
-        if dst.exists():
-            old = Path(tempfile.mkdtemp(prefix=f"{dst.name}.old-", dir=dst.parent))
-            os.rename(dst, old / dst.name)
-            os.rename(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    swapped = False
+    try:
+        with _signals_deferred():
+            try:
+                if dst.exists():
+                    old = Path(tempfile.mkdtemp(prefix=f"{dst.name}.old-", dir=dst.parent))
+                    os.rename(dst, old / dst.name)
+                    try:
+                        os.rename(tmp, dst)
+                    except BaseException:
+                        os.rename(old / dst.name, dst)  # put the previous folder back
+                        raise
+                else:
+                    os.rename(tmp, dst)
+                swapped = True
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if old is not None:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(old)  # empty once the previous folder is back; kept (with it) if not
+                raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException as exc:
+        if swapped:
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            exc.output_complete = True
         raise

@@ -108,16 +108,25 @@ def _written_regs(text: str) -> set[int]:
     m = re.match(r"R(\d+)\b", t[len(op):].strip())
     if m is None:
         return set()
-    width = 4 if ".128" in op else 2 if (".64" in op or op.startswith(("IMAD.WIDE", "MOV.64"))) else 1
+    parts = op.split(".")
+    if op.startswith("LDSM"):  # LDSM.16.M88.4: the last field counts registers
+        width = int(parts[-1]) if parts[-1].isdigit() else 1
+    elif ".128" in op:
+        width = 4
+    elif ".64" in op or op.startswith(("IMAD.WIDE", "MOV.64")) or (parts[0] == "CS2R" and ".32" not in op):
+        width = 2
+    else:
+        width = 1
     return set(range(int(m.group(1)), int(m.group(1)) + width))
 
 
 def rs_wgmma_hazards(sass: str) -> list[str] | None:
-    """Instructions at the top of the wgmma main loop that write registers which wgmmas of the previous
-    iteration read as their A operand and may still be reading: those issued after the loop's last
-    ``WARPGROUP.DEPBAR.LE gsb0, N`` covers them (N groups stay in flight across the back edge), written
-    before the next iteration's first DEPBAR. Any such write is undefined behaviour (the register race
-    of triton-lang/triton#9433). Returns None when the SASS has no loop with register-A wgmmas."""
+    """Instructions of the wgmma main loop that write a register which an issued wgmma reads as its A
+    operand and may still be reading: in flight are the wgmma groups (closed by ``gsb0``) that no
+    ``WARPGROUP.DEPBAR.LE gsb0, N`` has retired yet, across the loop's back edge too (the body is
+    walked twice, the second walk from the state the first left). Any such write is undefined
+    behaviour (the register race of triton-lang/triton#9433). Returns None when the SASS has no loop
+    with register-A wgmmas."""
     ins = _instructions(sass)
     loop = None
     for addr, text in ins:
@@ -129,27 +138,28 @@ def rs_wgmma_hazards(sass: str) -> list[str] | None:
     if loop is None:
         return None
     body = [(a, t) for a, t in ins if loop[0] <= a <= loop[1]]
-    groups, cur, rs = [], set(), False
-    for _, t in body:
-        if t.startswith("HGMMA"):
-            m = re.match(r"R(\d+)$", t.split(",")[1].strip())  # A operand: registers, or gdesc (shared)
-            if m:
-                rs = True
-                cur |= set(range(int(m.group(1)), int(m.group(1)) + 4))
-            if "gsb0" in t:
-                groups.append(cur)
-                cur = set()
-    if not rs:
+
+    def a_regs(t: str) -> set[int]:
+        m = re.match(r"R(\d+)$", t.split(",")[1].strip())  # A operand: registers, or gdesc (shared memory)
+        return set(range(int(m.group(1)), int(m.group(1)) + 4)) if m else set()
+
+    if not any(a_regs(t) for _, t in body if t.startswith("HGMMA")):
         return None
-    waits = [t for _, t in body if t.startswith("WARPGROUP.DEPBAR")]
-    pending = int(waits[-1].split(",")[-1], 16) if waits else len(groups)
-    in_flight = set().union(*groups[len(groups) - pending:]) if pending else set()
+    groups: list[set[int]] = []  # closed groups in flight, oldest first
+    cur: set[int] = set()        # wgmmas issued since the last gsb0
     hits = []
-    for a, t in body:
-        if t.startswith("WARPGROUP.DEPBAR"):
-            break
-        if _written_regs(t) & in_flight:
-            hits.append(f"/*{a:04x}*/ {t}")
+    for walk in (0, 1):
+        for a, t in body:
+            if t.startswith("HGMMA"):
+                cur |= a_regs(t)
+                if "gsb0" in t:
+                    groups.append(cur)
+                    cur = set()
+            elif t.startswith("WARPGROUP.DEPBAR"):
+                keep = int(t.split(",")[-1], 16)
+                del groups[:max(0, len(groups) - keep)]
+            elif walk == 1 and _written_regs(t) & cur.union(*groups):
+                hits.append(f"/*{a:04x}*/ {t}")
     return hits
 
 

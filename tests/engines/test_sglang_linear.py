@@ -1,6 +1,6 @@
 """The nvfp4 linear method inside real SGLang 0.5.17 linear layers (on the CPU), with simulated TP=2.
 
-Runs where SGLang is installed (CI: make test-sglang builds .venv-sglang); skipped elsewhere.
+Runs where SGLang is installed (CI: make test-sglang, in .venv-engines, where its absence fails); skipped elsewhere.
 """
 
 import pytest

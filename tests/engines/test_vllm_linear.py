@@ -1,6 +1,6 @@
 """The nvfp4 linear method inside real vLLM 0.26 linear layers (CPU platform), with simulated TP=2.
 
-Runs where vLLM is installed (CI: make test builds .venv-vllm); skipped in the plain venv.
+Runs where vLLM is installed (CI: make test-vllm, in .venv-engines, where its absence fails); skipped elsewhere.
 """
 
 import pytest
