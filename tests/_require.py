@@ -30,3 +30,19 @@ def skip_module(name: str, reason: str) -> None:
         pytest.fail(f"{name} is required in this environment (NVFP4_TEST_REQUIRE) but unusable: {reason}",
                     pytrace=False)
     pytest.skip(reason, allow_module_level=True)
+
+
+def require_triton_kernels() -> None:
+    """The preamble of the Triton kernel test modules: Triton's CPU interpreter where there is no GPU
+    (TRITON_INTERPRET must be set before triton is first imported), then Triton required (or the
+    module skipped, see require), and skipped or failed where this Triton's interpreter cannot run
+    the kernels."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    require("triton")
+    from nvfp4_plugin.triton import _runtime as rt
+
+    if not torch.cuda.is_available() and rt.interpreter_problem():
+        skip_module("triton", rt.interpreter_problem())

@@ -6,20 +6,13 @@ the large shapes marked ``gpu``. The reference always runs on CPU copies (the gr
 """
 
 import math
-import os
 
 import pytest
 import torch
 
-from tests._require import require, skip_module
+from tests._require import require_triton_kernels
 
-if not torch.cuda.is_available():  # Triton's CPU interpreter; must be set before triton is imported
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-require("triton")
-from nvfp4_plugin.triton import _runtime as _rt  # noqa: E402
-
-if not torch.cuda.is_available() and _rt.interpreter_problem():
-    skip_module("triton", _rt.interpreter_problem())
+require_triton_kernels()
 
 from nvfp4_plugin import numerics as nx  # noqa: E402
 from nvfp4_plugin import ops  # noqa: E402
