@@ -39,7 +39,9 @@ def _unpacked(prefix: str, layout, t: dict):
     return PackedW4Weight.from_tensors(layout, {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)})
 
 
-class HopperLinear(Backend):
+class _Hopper(Backend):
+    """What the Hopper linear and MoE backends share: the name, sm90+ CUDA, bf16/fp16 activations."""
+
     name = "hopper_triton"
 
     @classmethod
@@ -50,6 +52,8 @@ class HopperLinear(Backend):
     def cannot_implement(cls, spec):
         return _dtype_reason(spec)
 
+
+class HopperLinear(_Hopper):
     def prepare(self, spec, weight: Nvfp4Weight, input_global_scale):
         from ...gemm import prepack
 
@@ -66,17 +70,7 @@ class HopperLinear(Backend):
         return w4_linear(x, _unpacked("w_", layout, t), bias, mode=mode, input_global_scale=t.get("input_global_scale"))
 
 
-class HopperMoe(Backend):
-    name = "hopper_triton"
-
-    @classmethod
-    def unsupported_reason(cls, device):
-        return _cuda_sm90_reason(device)
-
-    @classmethod
-    def cannot_implement(cls, spec):
-        return _dtype_reason(spec)
-
+class HopperMoe(_Hopper):
     def prepare(self, spec, w13: Nvfp4Weight, w2: Nvfp4Weight, a13_global_scale, a2_global_scale):
         from ...gemm import prepack
 
