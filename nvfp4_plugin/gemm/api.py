@@ -238,6 +238,14 @@ def w4_linear(x: torch.Tensor, weight: PackedW4Weight, bias: torch.Tensor | None
 # grouped by expert offsets
 # ----------------------------------------------------------------------------------------------
 
+def _check_expert_input_scales(input_global_scale, num_e: int, device) -> None:
+    """mode='w4a4' of the grouped and masked GEMMs: one fp32 activation encode scale per expert."""
+    if input_global_scale is None:
+        raise ValueError("input_global_scale: required for mode='w4a4' (one fp32 value per expert)")
+    check_tensor("input_global_scale", input_global_scale, dtypes=(torch.float32,), device=device)
+    check_shape("input_global_scale", input_global_scale, (num_e,))
+
+
 def _m_split(cfg: W4Config, rows: int, experts: int) -> int:
     if cfg.m_split:
         return cfg.m_split
@@ -294,10 +302,7 @@ def w4_grouped(x: torch.Tensor, weight: PackedW4Weight, expert_offsets: torch.Te
         return out
     act_scale, act_mode = None, 0
     if mode == "w4a4":
-        if input_global_scale is None:
-            raise ValueError("input_global_scale: required for mode='w4a4' (one fp32 value per expert)")
-        check_tensor("input_global_scale", input_global_scale, dtypes=(torch.float32,), device=x.device)
-        check_shape("input_global_scale", input_global_scale, (num_e,))
+        _check_expert_input_scales(input_global_scale, num_e, x.device)
         from .. import ops
         xs = x[gather_idx.long()] if gather_idx is not None else x
         gather_idx = None
@@ -353,10 +358,7 @@ def w4_masked(x: torch.Tensor, weight: PackedW4Weight, mask: torch.Tensor, *, ou
         return out
     act_scale, act_mode = None, 0
     if mode == "w4a4":
-        if input_global_scale is None:
-            raise ValueError("input_global_scale: required for mode='w4a4' (one fp32 value per expert)")
-        check_tensor("input_global_scale", input_global_scale, dtypes=(torch.float32,), device=x.device)
-        check_shape("input_global_scale", input_global_scale, (num_e,))
+        _check_expert_input_scales(input_global_scale, num_e, x.device)
         from .. import ops
         q, s = ops.silu_and_mul_scaled_fp4_experts_quant(x, input_global_scale, mask, use_silu_and_mul=False)
         mp = s.shape[1]
