@@ -3,7 +3,8 @@
 # (../shared/tools/vllm-bundle/README.md, ../shared/tools/sglang-bundle/README.md).
 # Usage: bash integration/e2e.sh ENGINE STEP...     ENGINE: vllm | sglang
 #   Environment: SITE (default /tmp/site) = the unpacked bundle; M (default /tmp/models) = checkpoints;
-#   R (default /tmp/e2e-ENGINE) = results.
+#   R (default /tmp/e2e-ENGINE) = results; PORT (default 8123) and MEMFRAC (GPU memory share per server,
+#   default 0.5) let two e2e.sh runs share one GPU (e.g. PORT=8200 MEMFRAC=0.3 for both).
 # Steps:
 #   models      make-model Llama and Qwen3-MoE (tiny) and quantize each to ModelOpt and compressed-tensors
 #   smollm2     quantize the real SmolLM2-135M (bf16 folder in $M/smollm2-bf16) to both formats (or carry
@@ -23,6 +24,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ENGINE=${1:?usage: e2e.sh vllm|sglang STEP...}; shift
 SITE=${SITE:-/tmp/site}; M=${M:-/tmp/models}; R=${R:-/tmp/e2e-$ENGINE}; mkdir -p "$M" "$R"
+PORT=${PORT:-8123}; MEMFRAC=${MEMFRAC:-0.5}
 export PYTHONPATH="$SITE:$PWD:${PYTHONPATH:-}" PATH="$SITE/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
        PYTHONUNBUFFERED=1 NVFP4_PLUGIN_LOG_LEVEL=INFO
 case "$ENGINE" in
@@ -44,7 +46,7 @@ serve() {  # name model [--quantization q] [extra...]
   local name=$1; shift
   [ -d "$1" ] || { echo "=== $ENGINE serve $name: skipped, $1 is not here"; return; }
   echo "=== $ENGINE serve $name"
-  python3 integration/serve_check.py --engine "$ENGINE" --out "$R/$name.json" --log "$R/$name.log" --model "$@" \
+  python3 integration/serve_check.py --engine "$ENGINE" --port "$PORT" --mem-fraction "$MEMFRAC" --out "$R/$name.json" --log "$R/$name.log" --model "$@" \
     > "$R/$name.summary" 2>&1 || status=1
   head -c 1500 "$R/$name.summary"; echo
 }
@@ -65,7 +67,7 @@ serve_all() {  # name [with-bf16]
 }
 expect_fail() {  # name model text
   echo "=== $ENGINE corrupt $1"
-  python3 integration/serve_check.py --engine "$ENGINE" --model "$2" --quantization nvfp4 --timeout 300 \
+  python3 integration/serve_check.py --engine "$ENGINE" --port "$PORT" --mem-fraction "$MEMFRAC" --model "$2" --quantization nvfp4 --timeout 300 \
     --out "$R/$1.json" --expect-fail "$3" > "$R/$1.summary" 2>&1 || status=1
   head -c 800 "$R/$1.summary"; echo
 }

@@ -27,16 +27,17 @@ CHAT = [{"role": "user", "content": "Say hello in three words."}]
 LOGPROB_PROMPT = "One, two, three, four, five, six, seven, eight, nine, ten"
 
 
-def server_command(engine: str, model: str, port: int, quantization: str | None, extra: list[str]) -> list[str]:
+def server_command(engine: str, model: str, port: int, quantization: str | None, extra: list[str],
+                   mem_fraction: float = 0.5) -> list[str]:
     py = sys.executable
     if engine == "vllm":
         cmd = [py, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", str(port), "--host", "127.0.0.1",
-               "--max-model-len", "1024", "--gpu-memory-utilization", "0.5", "--served-model-name", "m"]
+               "--max-model-len", "1024", "--gpu-memory-utilization", str(mem_fraction), "--served-model-name", "m"]
         if quantization:
             cmd += ["--quantization", quantization]
     else:
         cmd = [py, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port), "--host", "127.0.0.1",
-               "--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.5",
+               "--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", str(mem_fraction),
                "--served-model-name", "m", "--context-length", "1024"]
         if quantization:
             cmd += ["--quantization", quantization]
@@ -72,7 +73,7 @@ def prompt_logprobs(engine: str, port: int) -> list[float]:
 def run(args) -> dict:
     env = dict(os.environ)
     log_path = args.log or f"/tmp/{args.engine}_server_{args.port}.log"
-    cmd = server_command(args.engine, args.model, args.port, args.quantization, args.extra)
+    cmd = server_command(args.engine, args.model, args.port, args.quantization, args.extra, args.mem_fraction)
     result = {"engine": args.engine, "model": args.model, "quantization": args.quantization, "cmd": cmd}
     t0 = time.time()
     with open(log_path, "w") as log:
@@ -124,6 +125,9 @@ def main() -> int:
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--timeout", type=float, default=420)
+    ap.add_argument("--mem-fraction", type=float, default=0.5,
+                    help="GPU memory share of the server (vLLM --gpu-memory-utilization, SGLang --mem-fraction-static);"
+                         " lower it to run two servers side by side")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--out", default=None)
     ap.add_argument("--log", default=None)
