@@ -7,7 +7,8 @@ transformers in fp32 on the exactly dequantized weights (``nvfp4-plugin dequanti
 Writes ``prompt_logprobs`` (per prompt token after the first, of serve_check.LOGPROB_PROMPT) and the
 greedy ``completion`` of serve_check.PROMPT (16 tokens), the keys serve_check.py records, so
 compare_logprobs.py can line them up. This is what the served W4A16 paths compute, without the
-engines' bf16 activations: the reference for "ours equals our CPU reference layers".
+engines' bf16 activations: the reference for "ours equals our CPU reference layers". ``--dtype bfloat16``
+runs the same model in bf16, which shows how far bf16 compute alone moves the logprobs.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from serve_check import LOGPROB_PROMPT, PROMPT  # noqa: E402
 
 
-def reference(model_dir: str, threads: int | None = None) -> dict:
+def reference(model_dir: str, threads: int | None = None, dtype: str = "float32") -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -42,7 +43,7 @@ def reference(model_dir: str, threads: int | None = None) -> dict:
             plain = os.path.join(tmp, "dequantized")
             dequantize_checkpoint(model_dir, plain, dtype="float32")
         tok = AutoTokenizer.from_pretrained(plain)
-        model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(plain, dtype=getattr(torch, dtype)).eval()
         with torch.no_grad():
             ids = tok(LOGPROB_PROMPT, return_tensors="pt").input_ids
             logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
@@ -50,7 +51,7 @@ def reference(model_dir: str, threads: int | None = None) -> dict:
             p = tok(PROMPT, return_tensors="pt").input_ids
             out = model.generate(p, max_new_tokens=16, do_sample=False, attention_mask=torch.ones_like(p))
             completion = tok.decode(out[0, p.shape[1]:], skip_special_tokens=True)
-    return {"engine": "reference (transformers fp32, dequantized weights)", "model": model_dir,
+    return {"engine": f"reference (transformers {dtype}, dequantized weights)", "model": model_dir, "dtype": dtype,
             "quantized": quantized, "prompt_logprobs": prompt_logprobs, "completion": completion}
 
 
@@ -59,8 +60,10 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="bfloat16 measures how far bf16 compute alone moves the logprobs (the tolerance's floor)")
     args = ap.parse_args()
-    res = reference(args.model, args.threads)
+    res = reference(args.model, args.threads, args.dtype)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(json.dumps({k: v for k, v in res.items() if k != "prompt_logprobs"}, indent=1))
     return 0
