@@ -22,6 +22,7 @@ CASES = [
     (dict(bn=128, bm=64, bk=128, num_warps=8, num_stages=3), "HGMMA", 4.5),
     # 64 FSEL of the wait that keeps the register A operand safe (see test_no_register_race) on top
     (dict(bn=128, bm=128, bk=64, num_warps=8, num_stages=4), "HGMMA", 7.0),
+    (dict(bn=128, bm=256, bk=64, num_warps=8, num_stages=3), "HGMMA", 9.5),
 ]
 
 SCRIPT = r"""
@@ -44,7 +45,7 @@ def _triton_has_ptxas() -> bool:
     return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
 
 
-@pytest.mark.parametrize("cfg,op,budget", CASES, ids=["v2_bm8", "v3_bm16", "v3_bm64", "v3_bm128"])
+@pytest.mark.parametrize("cfg,op,budget", CASES, ids=["v2_bm8", "v3_bm16", "v3_bm64", "v3_bm128", "v3_bm256"])
 @pytest.mark.parametrize("mode", [0, 1], ids=["dense", "grouped"])
 def test_sm90_sass(cfg, op, budget, mode):
     if not _triton_has_ptxas():
