@@ -70,6 +70,8 @@ __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restri
   uint8_t* q = out + int64_t(r0) * (k / 2) + col * 8;
   uint32_t r = r0;
   if (col < kb) {
+    // No software prefetch here: measured on the H200 it cost 3-7% at M >= 8192 (the experts and
+    // masked kernels gain from it, csrc/quant/PERF_NOTES.md).
     for (; r < r_in; r += tile.rows, p += step_in, q += step_out) {
       const uint8_t s = quant_block_at<T, UE8M0>(p, q, gs, os);
       if (SWIZZLE) {
@@ -94,64 +96,120 @@ __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restri
 // 16-byte chunk of the scale tensor that no expert row owns. Offsets live in shared memory; each
 // thread caches the expert of its last row (its rows ascend).
 // ------------------------------------------------------------------------------------------------
+constexpr int kMaxOutTabs = 8;  // per-CTA out_scale tables (one per expert of the CTA's row slice)
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     nvfp4_experts_kernel(const T* __restrict__ in, const float* __restrict__ gsp, const int32_t* __restrict__ eo_g,
                          const int32_t* __restrict__ bo_g, uint8_t* __restrict__ out, uint8_t* __restrict__ sf,
                          int32_t m, int32_t k, int32_t kb, int32_t kb_pad, int num_experts, int32_t sf_rows,
-                         Tile tile, uint32_t chunks, FastDiv kt_div) {
+                         Tile tile, uint32_t chunks, FastDiv kt_div, int use_tabs) {
   extern __shared__ int32_t smem[];
   int32_t* eo = smem;
   int32_t* bo = smem + num_experts + 1;
+  float* otab = reinterpret_cast<float*>(smem + 2 * (num_experts + 1));  // [kMaxOutTabs][256] with use_tabs
   stage_to_smem(eo, eo_g, num_experts + 1);
   stage_to_smem(bo, bo_g, num_experts + 1);
   __syncthreads();
   const int32_t first = eo[0], last = eo[num_experts];
   const uint32_t kt = uint32_t(kb_pad) >> 2;
+  const Slice rs = row_slice(uint32_t(m), uint32_t(tile.rows));
+
+  // out_scale tables of the experts that own this CTA's rows (CTA-uniform decision), built once:
+  // the per-block correctly rounded reciprocal becomes one shared-memory load.
+  int e_first = 0, n_tab = 0;
+  if (use_tabs) {
+    const int32_t r0 = max(int32_t(rs.begin), first), r1 = min(int32_t(rs.end), last);
+    if (r0 < r1) {
+      e_first = find_segment(eo, num_experts, r0);
+      n_tab = find_segment(eo, num_experts, r1 - 1) - e_first + 1;
+      if (n_tab > kMaxOutTabs) n_tab = 0;
+    }
+    for (int i = threadIdx.x; i < n_tab * 256; i += blockDim.x) {
+      otab[i] = nvfp4_out_scale<false>(uint8_t(i & 255), rcp_or_zero(__ldg(gsp + e_first + (i >> 8))));
+    }
+    if (n_tab > 0) __syncthreads();
+  }
 
   const int32_t ty = int32_t(threadIdx.x) / tile.cols;
   const int32_t col = int32_t(blockIdx.x) * tile.cols + (int32_t(threadIdx.x) - ty * tile.cols);
-  if (ty < tile.rows && col < kb) {
-    const Slice rs = row_slice(uint32_t(m), uint32_t(tile.rows));
+  if (ty < tile.rows && col < kb && rs.begin + ty < rs.end) {
     const uint32_t colpart = swz_col(uint32_t(col));
     const bool last_col = col == kb - 1;
-    int32_t lo = 0, hi = 0, base = 0;  // cached expert: rows [lo, hi) -> scale rows base + (row - lo)
-    float gs = 0.0f, inv_gs = 0.0f;
-    for (uint32_t ur = rs.begin + ty; ur < rs.end; ur += tile.rows) {
-      const int32_t row = int32_t(ur);
-      uint8_t* q = out + int64_t(row) * (k / 2) + col * 8;
-      if (row < first || row >= last) {
-        st8(q, make_uint2(0, 0));
-        continue;
-      }
-      if (row < lo || row >= hi) {
-        const int e = find_segment(eo, num_experts, row);
-        lo = eo[e];
-        hi = eo[e + 1];
-        base = bo[e];
-        gs = __ldg(gsp + e);
-        inv_gs = rcp_or_zero(gs);
-      }
-      const uint8_t s = quant_block_at<T, false>(in + int64_t(row) * k + col * 16, q, gs, OutScaleDirect<false>{inv_gs});
-      const int32_t srow = base + (row - lo);
-      if (srow >= 0 && srow < sf_rows) {
-        uint8_t* p = sf + swz_row(uint32_t(srow), kt) + colpart;
-        *p = s;
-        if (last_col) {  // zero the padding columns of this row's last 4-column group
-          for (int32_t c = kb; c < kb_pad; ++c) p[c - col] = 0;
+    const T* pin = in + col * 16;
+    auto phase1 = [&](auto tab_tag) {
+      constexpr bool kTab = decltype(tab_tag)::value;
+      int32_t lo = 0, hi = 0, base = 0;  // cached expert: rows [lo, hi) -> scale rows base + (row - lo)
+      float gs = 0.0f, inv_gs = 0.0f;
+      const float* tab = otab;
+      uint32_t ur = rs.begin + ty;
+      uint4 c[kChunksPerBlock16<T>];
+      load_block16<T>(pin + int64_t(ur) * k, c);  // every row < m has input, expert or not
+      for (; ur < rs.end; ur += tile.rows) {
+        // prefetch the next row's block (clamped to the last row: no branch, one spare load)
+        uint4 cn[kChunksPerBlock16<T>];
+        load_block16<T>(pin + int64_t(min(ur + tile.rows, rs.end - 1)) * k, cn);
+        const int32_t row = int32_t(ur);
+        uint8_t* q = out + int64_t(row) * (k / 2) + col * 8;
+        if (row < first || row >= last) {
+          st8(q, make_uint2(0, 0));
+        } else {
+          if (row < lo || row >= hi) {
+            const int e = find_segment(eo, num_experts, row);
+            lo = eo[e];
+            hi = eo[e + 1];
+            base = bo[e];
+            gs = __ldg(gsp + e);
+            if (kTab) {
+              tab = otab + (e - e_first) * 256;
+            } else {
+              inv_gs = rcp_or_zero(gs);
+            }
+          }
+          uint32_t qlo, qhi;
+          uint8_t s;
+          if (kTab) {
+            s = nvfp4_quant_block16<T, false>(c, gs, OutScaleTable{tab}, qlo, qhi);
+          } else {
+            s = nvfp4_quant_block16<T, false>(c, gs, OutScaleDirect<false>{inv_gs}, qlo, qhi);
+          }
+          st8(q, make_uint2(qlo, qhi));
+          const int32_t srow = base + (row - lo);
+          if (srow >= 0 && srow < sf_rows) {
+            uint8_t* p = sf + swz_row(uint32_t(srow), kt) + colpart;
+            *p = s;
+            if (last_col) {  // zero the padding columns of this row's last 4-column group
+              for (int32_t cc = kb; cc < kb_pad; ++cc) p[cc - col] = 0;
+            }
+          }
         }
+#pragma unroll
+        for (int i = 0; i < kChunksPerBlock16<T>; ++i) c[i] = cn[i];
       }
+    };
+    if (n_tab > 0) {
+      phase1(std::true_type{});
+    } else {
+      phase1(std::false_type{});
     }
   }
 
-  // Phase 2: scale bytes of rows that no expert row owns (per-expert padding rows, the tail).
+  // Phase 2: scale bytes of rows that no expert row owns (per-expert padding rows, the tail). The
+  // expert of the last searched scale row is cached: chunks ascend, so a search per expert change.
+  const int32_t b_first = bo[0], b_last = bo[num_experts];
+  int32_t sb_lo = 0, sb_hi = 0, s_cnt = 0;  // cached expert: scale rows [sb_lo, sb_hi), s_cnt valid
   const Slice zs = cta_slice(chunks);
   for (uint32_t c = zs.begin + threadIdx.x; c < zs.end; c += blockDim.x) {
     zero_scale_chunk(sf, c, kt_div, [&](uint32_t r) {
       const int32_t row = int32_t(r);
-      if (row < bo[0] || row >= bo[num_experts]) return false;
-      const int e = find_segment(bo, num_experts, row);
-      return row - bo[e] < eo[e + 1] - eo[e];
+      if (row < b_first || row >= b_last) return false;
+      if (row < sb_lo || row >= sb_hi) {
+        const int e = find_segment(bo, num_experts, row);
+        sb_lo = bo[e];
+        sb_hi = bo[e + 1];
+        s_cnt = eo[e + 1] - eo[e];
+      }
+      return row - sb_lo < s_cnt;
     });
   }
 }
@@ -162,38 +220,114 @@ __global__ void __launch_bounds__(kThreads)
 // experts whatever the mask, with no host synchronization. With zero_fill, phase 2 zeroes the code
 // bytes of rows past the mask and phase 3 every scale byte that no valid row writes.
 // ------------------------------------------------------------------------------------------------
+// Raw chunks of a block: gate (or the plain input) and, with SILU, up.
 template <typename T, bool SILU>
-__device__ __forceinline__ void load_masked_block16(const T* __restrict__ p, int32_t k,
-                                                    uint4 (&c)[kChunksPerBlock16<T>]) {
-  if (!SILU) {
-    load_block16<T>(p, c);
+struct MaskedRaw {
+  uint4 g[kChunksPerBlock16<T>];
+  uint4 u[SILU ? kChunksPerBlock16<T> : 1];
+};
+
+template <typename T, bool SILU>
+__device__ __forceinline__ void load_masked_raw(const T* __restrict__ p, int32_t k, MaskedRaw<T, SILU>& raw) {
+  load_block16<T>(p, raw.g);
+  if constexpr (SILU) load_block16<T>(p + k, raw.u);
+}
+
+template <typename T, bool SILU>
+__device__ __forceinline__ void masked_block16(const MaskedRaw<T, SILU>& raw, uint4 (&c)[kChunksPerBlock16<T>]) {
+  if constexpr (!SILU) {
+#pragma unroll
+    for (int i = 0; i < kChunksPerBlock16<T>; ++i) c[i] = raw.g[i];
   } else {
     constexpr int kE = Chunk<T>::kElems;
-    uint4 gc[kChunksPerBlock16<T>], uc[kChunksPerBlock16<T>];
-    load_block16<T>(p, gc);
-    load_block16<T>(p + k, uc);
+    const uint4 (&gc)[kChunksPerBlock16<T>] = raw.g;
+    const uint4 (&uc)[kChunksPerBlock16<T>] = raw.u;
+    // One per-thread test whether every division may take div_rn's fp32 fast path
+    // (silu_div_guard, a function of g alone): the common case runs no per-element branch.
+    float g[16], up[16];
 #pragma unroll
     for (int i = 0; i < kChunksPerBlock16<T>; ++i) {
-      float g[kE], up[kE], v[kE];
-      chunk_to_float(gc[i], static_cast<const T*>(nullptr), g);
-      chunk_to_float(uc[i], static_cast<const T*>(nullptr), up);
-#pragma unroll
-      for (int j = 0; j < kE; ++j) v[j] = silu_mul_fp32(g[j], up[j]);
-      c[i] = float_to_chunk<T>(v);  // rounded to the activation dtype, as silu_and_mul stores it
+      chunk_to_float(gc[i], static_cast<const T*>(nullptr), g + i * kE);
+      chunk_to_float(uc[i], static_cast<const T*>(nullptr), up + i * kE);
     }
+    bool fast = true;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) fast &= silu_div_guard(g[j]);
+    float v[16];
+    if (fast) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) v[j] = mul_rn(silu_fp32_guarded(g[j]), up[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) v[j] = mul_rn(div_rn(g[j], silu_den(g[j])), up[j]);
+    }
+#pragma unroll
+    for (int i = 0; i < kChunksPerBlock16<T>; ++i) c[i] = float_to_chunk<T>(v + i * kE);
   }
 }
 
-template <typename T, bool SILU, bool ZERO_FILL>
+// bf16 SiLU table: silu_fp32(g) for the 8192 bf16 g with 2**-25 <= |g| < 128 (magnitude bits
+// 0x3300..0x42FF; positive at [0, 4096), negative at [4096, 8192)). silu_tab_off(x) maps the
+// pre-biased x = 4 * bits - 0xCC00 of a bf16 to its byte offset; every x of a block is in range iff
+// (OR of the x) & 0xFFFDC000 == 0 (bits 14-16 and 18-31 clear; bit 17 is the sign).
+constexpr int kSiluTab = 8192;
+constexpr uint32_t kSiluTabBias = 0x3300u * 4u;
+constexpr uint32_t kSiluTabOut = 0xFFFDC000u;
+NVQ_HD float silu_tab_input(int i) {
+  return u2f((uint32_t(i >> 12) << 31) | ((uint32_t(i & 0xFFF) + 0x3300u) << 16));
+}
+NVQ_HD uint32_t silu_tab_off(uint32_t x) { return (x & 0x3FFFu) | ((x >> 3) & 0x4000u); }
+
+template <typename T, bool SILU, bool TABLE>
+__device__ __forceinline__ void masked_block16_tab(const MaskedRaw<T, SILU>& raw, uint4 (&c)[kChunksPerBlock16<T>],
+                                                   const float* tab) {
+  if constexpr (!TABLE) {
+    masked_block16<T, SILU>(raw, c);
+  } else {
+    static_assert(std::is_same<T, __nv_bfloat16>::value && SILU, "table path: bf16 SiLU only");
+    const uint4 (&gc)[2] = raw.g;
+    const uint4 (&uc)[2] = raw.u;
+    const uint32_t gw[8] = {gc[0].x, gc[0].y, gc[0].z, gc[0].w, gc[1].x, gc[1].y, gc[1].z, gc[1].w};
+    uint32_t x[16], any = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      x[2 * i] = (gw[i] & 0xFFFFu) * 4u - kSiluTabBias;
+      x[2 * i + 1] = (gw[i] >> 16) * 4u - kSiluTabBias;
+      any |= x[2 * i] | x[2 * i + 1];
+    }
+    float up[16], v[16];
+    chunk_to_float(uc[0], static_cast<const T*>(nullptr), up);
+    chunk_to_float(uc[1], static_cast<const T*>(nullptr), up + 8);
+    if ((any & kSiluTabOut) == 0) {
+      const char* tb = reinterpret_cast<const char*>(tab);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) v[j] = mul_rn(*reinterpret_cast<const float*>(tb + silu_tab_off(x[j])), up[j]);
+    } else {  // a value outside the table: the computed SiLU for the block
+      float g[16];
+      chunk_to_float(gc[0], static_cast<const T*>(nullptr), g);
+      chunk_to_float(gc[1], static_cast<const T*>(nullptr), g + 8);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) v[j] = mul_rn(silu_fp32(g[j]), up[j]);
+    }
+    c[0] = float_to_chunk<T>(v);
+    c[1] = float_to_chunk<T>(v + 8);
+  }
+}
+
+template <typename T, bool SILU, bool ZERO_FILL, bool TABLE = false>
 __global__ void __launch_bounds__(kThreads)
     nvfp4_masked_kernel(const T* __restrict__ in, const float* __restrict__ gsp, const int32_t* __restrict__ mask,
                         uint8_t* __restrict__ out, uint8_t* __restrict__ sf, int num_experts, int32_t max_m,
                         int32_t m_pad, int32_t k, int32_t kb, int32_t kb_pad, Tile tile, FastDiv k16_div,
                         FastDiv kt_div, FastDiv expert_chunks_div) {
   extern __shared__ int32_t smem[];
-  int32_t* prefix = smem;                       // [E + 1] valid rows before expert e
-  int32_t* warp_sums = smem + num_experts + 1;  // [32]
-  masked_prefix(mask, num_experts, max_m, prefix, warp_sums);
+  float* silu_tab = reinterpret_cast<float*>(smem);  // [kSiluTab] with TABLE
+  int32_t* prefix = smem + (TABLE ? kSiluTab : 0);   // [E + 1] valid rows before expert e
+  int32_t* warp_sums = prefix + num_experts + 1;     // [32]
+  if constexpr (TABLE) {
+    for (int i = threadIdx.x; i < kSiluTab; i += blockDim.x) silu_tab[i] = silu_fp32(silu_tab_input(i));
+  }
+  masked_prefix(mask, num_experts, max_m, prefix, warp_sums);  // ends with __syncthreads()
   const int32_t valid_rows = prefix[num_experts];
   const uint32_t kt = uint32_t(kb_pad) >> 2;
   const int64_t sf_expert = int64_t(m_pad) * kb_pad;
@@ -208,8 +342,24 @@ __global__ void __launch_bounds__(kThreads)
     const bool last_col = col == kb - 1;
     int32_t lo = 0, hi = 0, ex = 0;
     float gs = 0.0f, inv_gs = 0.0f;
+    // input row of compacted row v (segment cache of the prefetch: nlo/nhi/nex)
+    int32_t nlo = 0, nhi = 0, nex = 0;
+    auto in_row_of = [&](int32_t v) -> int64_t {
+      if (v < nlo || v >= nhi) {
+        nex = find_segment(prefix, num_experts, v);
+        nlo = prefix[nex];
+        nhi = prefix[nex + 1];
+      }
+      return int64_t(nex) * max_m + (v - nlo);
+    };
+    const T* pin = in + col * 16;
+    MaskedRaw<T, SILU> raw;
+    if (rs.begin + ty < rs.end) load_masked_raw<T, SILU>(pin + in_row_of(int32_t(rs.begin + ty)) * in_row, k, raw);
     for (uint32_t uv = rs.begin + ty; uv < rs.end; uv += tile.rows) {
       const int32_t v = int32_t(uv);
+      // prefetch the next row's raw block (the last row re-reads itself)
+      MaskedRaw<T, SILU> nraw;
+      load_masked_raw<T, SILU>(pin + in_row_of(int32_t(min(uv + tile.rows, rs.end - 1))) * in_row, k, nraw);
       if (v < lo || v >= hi) {
         ex = find_segment(prefix, num_experts, v);
         lo = prefix[ex];
@@ -220,7 +370,7 @@ __global__ void __launch_bounds__(kThreads)
       const int32_t r = v - lo;
       const int64_t row = int64_t(ex) * max_m + r;
       uint4 c[kChunksPerBlock16<T>];
-      load_masked_block16<T, SILU>(in + row * in_row + col * 16, k, c);
+      masked_block16_tab<T, SILU, TABLE>(raw, c, silu_tab);
       uint32_t qlo, qhi;
       const uint8_t s = nvfp4_quant_block16<T, false>(c, gs, OutScaleDirect<false>{inv_gs}, qlo, qhi);
       st8(out + row * (k / 2) + col * 8, make_uint2(qlo, qhi));
@@ -229,6 +379,7 @@ __global__ void __launch_bounds__(kThreads)
       if (ZERO_FILL && last_col) {
         for (int32_t cc = kb; cc < kb_pad; ++cc) p[cc - col] = 0;
       }
+      raw = nraw;
     }
   }
   if (!ZERO_FILL) return;
@@ -269,6 +420,41 @@ __global__ void __launch_bounds__(kThreads)
     zero_scale_chunk(sf + e * sf_expert, c - uint32_t(e) * per_expert, kt_div,
                      [&](uint32_t r) { return int32_t(r) < rows_e; });
   }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Masked, small problems without zero-fill (decode): one thread per (row of [E, max_m], block
+// column). The mask, the global scale and the input are loaded together at the start (invalid rows
+// read in-bounds input and drop it), so one memory latency instead of mask -> prefix scan ->
+// barrier -> gs -> input; smaller CTAs spread the SiLU work over more SMs.
+// ------------------------------------------------------------------------------------------------
+constexpr int kDirectThreads = 128;
+
+template <typename T, bool SILU>
+__global__ void __launch_bounds__(kDirectThreads)
+    nvfp4_masked_direct_kernel(const T* __restrict__ in, const float* __restrict__ gsp,
+                               const int32_t* __restrict__ mask, uint8_t* __restrict__ out,
+                               uint8_t* __restrict__ sf, int32_t max_m, int32_t m_pad, int32_t k, int32_t kb,
+                               int32_t kb_pad, uint32_t units, FastDiv kb_div, FastDiv max_m_div) {
+  const uint32_t u = blockIdx.x * blockDim.x + threadIdx.x;
+  if (u >= units) return;
+  const uint32_t row = fdiv(kb_div, u);
+  const int32_t col = int32_t(u - row * uint32_t(kb));
+  const int32_t ex = int32_t(fdiv(max_m_div, row));
+  const int32_t r = int32_t(row) - ex * max_m;
+  const int64_t in_row = SILU ? 2 * int64_t(k) : int64_t(k);
+  const int32_t valid = __ldg(mask + ex);
+  const float gs = __ldg(gsp + ex);
+  MaskedRaw<T, SILU> raw;
+  load_masked_raw<T, SILU>(in + int64_t(row) * in_row + col * 16, k, raw);
+  if (r >= min(max(valid, 0), max_m)) return;
+  uint4 c[kChunksPerBlock16<T>];
+  masked_block16<T, SILU>(raw, c);
+  uint32_t qlo, qhi;
+  const uint8_t s = nvfp4_quant_block16<T, false>(c, gs, OutScaleDirect<false>{rcp_or_zero(gs)}, qlo, qhi);
+  st8(out + int64_t(row) * (k / 2) + col * 8, make_uint2(qlo, qhi));
+  uint8_t* p = sf + int64_t(ex) * m_pad * kb_pad + swz_row(uint32_t(r), uint32_t(kb_pad) >> 2) + swz_col(uint32_t(col));
+  *p = s;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -334,19 +520,22 @@ cudaError_t launch_experts(const void* input, const float* gs, const int32_t* eo
   if (uint64_t(m) * uint64_t(kb) > kMaxUnits || chunks > kMaxUnits || sf_rows % 128 != 0) {
     return cudaErrorInvalidValue;
   }
-  const size_t smem = size_t(2) * (num_experts + 1) * sizeof(int32_t);
+  const Tile tile0 = make_tile(kb);
+  // out_scale tables when a thread has several rows to amortize the table build over
+  const int use_tabs = uint64_t(m) >= uint64_t(4) * uint64_t(tile0.rows) * (gpu_ctas(num_sms, 4) / uint64_t((kb + tile0.cols - 1) / tile0.cols)) ? 1 : 0;
+  const size_t smem = size_t(2) * (num_experts + 1) * sizeof(int32_t) + (use_tabs ? kMaxOutTabs * 256 * sizeof(float) : 0);
   auto kernel = nvfp4_experts_kernel<T>;
   if (smem > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (err != cudaSuccess) return err;
   }
-  static const int per_sm = resident_ctas(kernel, 2048 * sizeof(int32_t));
-  const Tile tile = make_tile(kb);
+  static const int per_sm = resident_ctas(kernel, 2048 * sizeof(int32_t) + kMaxOutTabs * 256 * sizeof(float));
+  const Tile tile = tile0;
   const dim3 grid = tile_grid(tile, kb, uint64_t(m), chunks, num_sms, per_sm);
   kernel<<<grid, tile_threads(tile), smem, stream>>>(static_cast<const T*>(input), gs, eo, bo, out, sf,
                                                          int32_t(m), int32_t(k), kb, kb_pad, num_experts,
                                                          int32_t(sf_rows), tile, uint32_t(chunks),
-                                                         make_fastdiv(uint32_t(kb_pad / 4)));
+                                                         make_fastdiv(uint32_t(kb_pad / 4)), use_tabs);
   return cudaGetLastError();
 }
 
@@ -359,13 +548,28 @@ cudaError_t launch_masked(const void* input, const float* gs, const int32_t* mas
   const uint64_t all_rows = uint64_t(num_experts) * uint64_t(max_m);
   const uint64_t chunks = uint64_t(num_experts) * uint64_t(m_pad) * uint64_t(kb_pad) / 16;
   if (all_rows * uint64_t(kb) > kMaxUnits || chunks > kMaxUnits) return cudaErrorInvalidValue;
-  const size_t smem = size_t(num_experts + 1 + 32) * sizeof(int32_t);
-  auto kernel = nvfp4_masked_kernel<T, SILU, ZERO_FILL>;
+  // bf16 SiLU: the table variant once each thread has >= 16 blocks to amortize its share of the
+  // 8192-entry table fill (32 SiLUs per thread); small problems keep the computed SiLU.
+  // Small problems without zero-fill: the direct kernel (at most ~one thread per SM lane).
+  if (!ZERO_FILL && all_rows * uint64_t(kb) <= uint64_t(kDirectThreads) * gpu_ctas(num_sms, 4)) {
+    const uint32_t units = uint32_t(all_rows * uint64_t(kb));
+    nvfp4_masked_direct_kernel<T, SILU><<<(units + kDirectThreads - 1) / kDirectThreads, kDirectThreads, 0, stream>>>(
+        static_cast<const T*>(input), gs, mask, out, sf, int32_t(max_m), int32_t(m_pad), int32_t(k), kb, kb_pad, units,
+        make_fastdiv(uint32_t(kb)), make_fastdiv(uint32_t(max_m)));
+    return cudaGetLastError();
+  }
+  constexpr bool kTabOk = SILU && std::is_same<T, __nv_bfloat16>::value;
+  const bool use_tab = kTabOk && all_rows * uint64_t(kb) >= uint64_t(16) * kThreads * gpu_ctas(num_sms, 4);
+  const size_t smem = size_t(num_experts + 1 + 32) * sizeof(int32_t) + (use_tab ? kSiluTab * sizeof(float) : 0);
+  auto kernel = use_tab ? nvfp4_masked_kernel<T, SILU, ZERO_FILL, kTabOk> : nvfp4_masked_kernel<T, SILU, ZERO_FILL, false>;
   if (smem > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (err != cudaSuccess) return err;
   }
-  static const int per_sm = resident_ctas(kernel, 2048 * sizeof(int32_t));
+  static const int per_sm_plain = resident_ctas(nvfp4_masked_kernel<T, SILU, ZERO_FILL, false>, 2048 * sizeof(int32_t));
+  static const int per_sm_tab = resident_ctas(nvfp4_masked_kernel<T, SILU, ZERO_FILL, kTabOk>,
+                                              2048 * sizeof(int32_t) + kSiluTab * sizeof(float));
+  const int per_sm = use_tab ? per_sm_tab : per_sm_plain;
   const Tile tile = make_tile(kb);
   // Sized for the whole [E, max_m] space: the mask is not known on the host.
   const uint64_t extra = ZERO_FILL ? (chunks > all_rows * (k / 16) ? chunks : all_rows * (k / 16)) : 0;
