@@ -285,7 +285,8 @@ cudaError_t launch_group(const void* input, void* scales, uint8_t* out, int64_t 
   if (threads > kMaxUnits) return cudaErrorInvalidValue;
   auto kernel = fp8_group_kernel<T, L>;
   static const int per_sm = resident_ctas(kernel);
-  kernel<<<grid_for(threads, num_sms, per_sm), kThreads, 0, stream>>>(
+  (void)per_sm;
+  kernel<<<int((threads + kThreads - 1) / kThreads > 0 ? (threads + kThreads - 1) / kThreads : 1), kThreads, 0, stream>>>(
       static_cast<const T*>(input), out, scales, int32_t(m), int32_t(k / group_size), group_size, tpg, eps,
       int32_t(scale_stride), uint32_t(threads), make_fastdiv(uint32_t(k / group_size)));
   return cudaGetLastError();
