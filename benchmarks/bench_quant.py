@@ -94,7 +94,7 @@ def load_peers() -> dict:
         try:
             from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
 
-            peers["vllm.fp8_group"] = lambda x: per_token_group_quant_fp8(x, 128)
+            peers["vllm.fp8_group"] = lambda x: per_token_group_quant_fp8(x, 128, use_ue8m0=False)
         except Exception as exc:
             missing["vllm.fp8_group"] = f"{type(exc).__name__}: {exc}"
     except Exception as exc:

@@ -48,15 +48,23 @@ MX formats (OCP MX v1.0)
     ``hi`` with probability ``(v - lo) / (hi - lo)``, so the result is unbiased; the scale is always
     computed deterministically.
 
-FP8 E4M3 activation quantizers (the sgl-kernel 0.4.5 recipes, so that outputs are byte-identical)
+FP8 E4M3 activation quantizers (correctly rounded IEEE fp32 operations, no approximate reciprocals)
     per-tensor: ``q = e4m3sat(x * (1/s))`` with ``s`` given (static) or ``s = amax / 448`` (dynamic);
     per-token: ``s_row = amax_row / 448``, ``q = e4m3sat(x * (1/s_row))``;
     per-token-group (group 128): ``a = max(amax_group, 1e-10)``; fp32 scales ``s = a * fp32(1/448)``
     and ``q = e4m3sat(x * (448 / a))``; UE8M0 scales ``e = ceil_log2(a * fp32(1/448))`` and
-    ``q = e4m3sat(x * 2**-e)``. Deliberate differences from the peers, on degenerate inputs only:
-    a zero scale quantizes its row to zeros (peers: NaN), and amax treats +-Inf as the largest
-    finite fp32, so an Inf saturates to +-448 like a huge finite value (peers: NaN). NaN elements
-    stay NaN and never raise a scale.
+    ``q = e4m3sat(x * 2**-e)``.
+    Against the peers on the H200 (tests/test_cuda_peers.py), finite inputs: per-tensor dynamic is
+    byte-identical to vLLM; per-token-group UE8M0 is byte-identical to sgl-kernel 0.4.5; per-token-group
+    fp32 has sgl-kernel's scales exactly, and codes within one e4m3 step, because sgl-kernel is built
+    with fast-math and multiplies by ``448 * rcp.approx(a)`` (about 0.07% of bf16 elements land within
+    an ulp of a rounding midpoint). Per-token: sgl-kernel's scale is ``amax * fp32(1/448)`` and vLLM's
+    is ``amax / 448``; the two peers disagree with each other, and we keep the correctly rounded
+    division (vLLM's scales exactly; codes within one step of both, from their approximate
+    reciprocals). Deliberate differences on degenerate inputs: a zero scale quantizes its row to zeros
+    (sgl-kernel's small-batch per-token kernel: +448), amax treats +-Inf as the largest finite fp32,
+    so an Inf saturates to +-448 like a huge finite value, and NaN elements stay NaN and never raise a
+    scale (sgl-kernel clamps NaN to -448 in group and +448 in per-token quantization).
 
 SiLU-and-mul (fused before the MoE down projection)
     ``silu(g) * u`` computed in fp32 with the fixed sequence of IEEE operations in :func:`silu_fp32`
