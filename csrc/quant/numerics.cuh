@@ -207,18 +207,21 @@ NVQ_HD float div_rn_f64(float a, float b) {
 // IEEE a / b (round to nearest even), all inputs. The fp32 fast path is the classic
 // reciprocal + Newton + residual sequence, exact when no intermediate leaves the normal range;
 // the exponent test below keeps it to that range, and everything else goes through fp64.
+// div_rn's fp32 fast path (valid where div_rn's `fast` test holds); the fused SiLU kernels call it directly.
+NVQ_HD float div_rn_fastpath(float a, float b) {
+  float r = rcp_approx_f32(b);
+  r = fma_rn(fma_rn(-b, r, 1.0f), r, r);
+  float q = mul_rn(a, r);
+  const float rem = fma_rn(-b, q, a);
+  return fma_rn(rem, r, q);
+}
+
 NVQ_HD float div_rn(float a, float b) {
   const uint32_t ua = f2u(a), ub = f2u(b);
   const uint32_t ea = (ua >> 23) & 0xFFu, eb = (ub >> 23) & 0xFFu;
   // both normal with biased exponents in [32, 221] and the quotient within 2**+-101
   const bool fast = (ea - 32u < 190u) && (eb - 32u < 190u) && (ea - eb + 100u <= 200u);
-  if (fast) {
-    float r = rcp_approx_f32(b);
-    r = fma_rn(fma_rn(-b, r, 1.0f), r, r);
-    float q = mul_rn(a, r);
-    const float rem = fma_rn(-b, q, a);
-    return fma_rn(rem, r, q);
-  }
+  if (fast) return div_rn_fastpath(a, b);
   const bool a_nan = is_nan(a), b_nan = is_nan(b);
   const bool a_inf = (ua & 0x7FFFFFFFu) == 0x7F800000u, b_inf = (ub & 0x7FFFFFFFu) == 0x7F800000u;
   const bool a_zero = (ua & 0x7FFFFFFFu) == 0, b_zero = (ub & 0x7FFFFFFFu) == 0;
@@ -452,66 +455,11 @@ NVQ_HD uint32_t swizzled_offset(uint32_t m, uint32_t k, uint32_t k_tiles) {
 // rint and the int conversion use the 1.5 * 2**23 magic addition (round to nearest even, exact for
 // |t| < 2**22; here |t| <= 128), the powers 2**(n - half), 2**half (|.| <= 64) are built from their
 // exponent bits: all full-rate fp32 / integer instructions, same bits as rintf / ldexp.
-NVQ_HD float exp_fp32(float y) {
-  const float yc = fminf(fmaxf(y, kSiluExpLo), kSiluExpHi);  // NaN handled below
-  const float t = mul_rn(yc, kLog2e);
-  const uint32_t nb = f2u(add_rn(t, 12582912.0f));            // 1.5 * 2**23 + rint(t)
-  const float n = sub_rn(u2f(nb), 12582912.0f);
-  const int ni = int(nb - 0x4B400000u);
-  const float r = sub_rn(sub_rn(yc, mul_rn(n, kLn2Hi)), mul_rn(n, kLn2Lo));
-  float p = kExpC6;
-  p = add_rn(mul_rn(p, r), kExpC5);
-  p = add_rn(mul_rn(p, r), kExpC4);
-  p = add_rn(mul_rn(p, r), kExpC3);
-  p = add_rn(mul_rn(p, r), kExpC2);
-  p = add_rn(mul_rn(p, r), 1.0f);
-  p = add_rn(mul_rn(p, r), 1.0f);
-  const int half = ni >> 1;  // floor division by 2
-  const float res = mul_rn(mul_rn(p, u2f(uint32_t(ni - half + 127) << 23)), u2f(uint32_t(half + 127) << 23));
-  if (is_nan(y)) return y;
-  return y > kSiluExpHi ? u2f(0x7F800000u) : res;
-}
-
-NVQ_HD float silu_fp32(float g) { return div_rn(g, add_rn(1.0f, exp_fp32(-g))); }
-
-// ---- Cheaper, bit-identical SiLU pieces for the fused kernels (perf rewrite) --------------------
-// div_rn's fp32 fast path as a separate function (valid where div_rn's `fast` test holds).
-NVQ_HD float div_rn_fastpath(float a, float b) {
-  float r = rcp_approx_f32(b);
-  r = fma_rn(fma_rn(-b, r, 1.0f), r, r);
-  float q = mul_rn(a, r);
-  const float rem = fma_rn(-b, q, a);
-  return fma_rn(rem, r, q);
-}
-
-// exp_fp32(y) for every non-NaN y (same bits); a finite value for NaN y (silu_fp32_nonan lets the
-// division propagate the NaN). p * 2**n as one exponent-field addition: n in [-126, 128],
-// p in [0.70, 1.42], and p >= 1 where n == -126 (r > 0.036 there), so the sum is exact and normal;
-// exponents past 254 (only n == 128, p >= 1) saturate to +inf, as the two-step multiply overflows.
-// nb << 23 == n << 23 (mod 2**32): the magic 0x4B400000 has its low 22 bits clear.
-NVQ_HD float exp_fp32_nonan(float y) {
-  const float yc = fminf(fmaxf(y, kSiluExpLo), kSiluExpHi);  // NaN -> kSiluExpLo
-  const float t = mul_rn(yc, kLog2e);
-  const uint32_t nb = f2u(add_rn(t, 12582912.0f));
-  const float n = sub_rn(u2f(nb), 12582912.0f);
-  const float r = sub_rn(sub_rn(yc, mul_rn(n, kLn2Hi)), mul_rn(n, kLn2Lo));
-  float p = kExpC6;
-  p = add_rn(mul_rn(p, r), kExpC5);
-  p = add_rn(mul_rn(p, r), kExpC4);
-  p = add_rn(mul_rn(p, r), kExpC3);
-  p = add_rn(mul_rn(p, r), kExpC2);
-  p = add_rn(mul_rn(p, r), 1.0f);
-  p = add_rn(mul_rn(p, r), 1.0f);
-  uint32_t rb = f2u(p) + (nb << 23);
-  rb = rb < 0x7F800000u ? rb : 0x7F800000u;
-  return y > kSiluExpHi ? u2f(0x7F800000u) : u2f(rb);
-}
-
-// exp_fp32(y) for |y| < 65 (same bits): no clamp is active there, n = rint(y * log2e) lies in
-// [-94, 94], so p * 2**n is one exact exponent-field addition (nb << 23 == n << 23 mod 2**32).
-NVQ_HD float exp_fp32_inrange(float y) {
+// The shared core of the exp_fp32 family: nb = bits of 1.5 * 2**23 + rint(y * log2e) (so
+// n = nb - 0x4B400000) and the degree-6 polynomial p ~= exp(y - n * ln2), y already in range.
+NVQ_HD float exp_core(float y, uint32_t& nb) {
   const float t = mul_rn(y, kLog2e);
-  const uint32_t nb = f2u(add_rn(t, 12582912.0f));
+  nb = f2u(add_rn(t, 12582912.0f));
   const float n = sub_rn(u2f(nb), 12582912.0f);
   const float r = sub_rn(sub_rn(y, mul_rn(n, kLn2Hi)), mul_rn(n, kLn2Lo));
   float p = kExpC6;
@@ -521,6 +469,43 @@ NVQ_HD float exp_fp32_inrange(float y) {
   p = add_rn(mul_rn(p, r), kExpC2);
   p = add_rn(mul_rn(p, r), 1.0f);
   p = add_rn(mul_rn(p, r), 1.0f);
+  return p;
+}
+
+NVQ_HD float exp_fp32(float y) {
+  const float yc = fminf(fmaxf(y, kSiluExpLo), kSiluExpHi);  // NaN handled below
+  uint32_t nb;
+  const float p = exp_core(yc, nb);                            // nb: 1.5 * 2**23 + rint(yc * log2e)
+  const int ni = int(nb - 0x4B400000u);
+  const int half = ni >> 1;  // floor division by 2
+  const float res = mul_rn(mul_rn(p, u2f(uint32_t(ni - half + 127) << 23)), u2f(uint32_t(half + 127) << 23));
+  if (is_nan(y)) return y;
+  return y > kSiluExpHi ? u2f(0x7F800000u) : res;
+}
+
+NVQ_HD float silu_fp32(float g) { return div_rn(g, add_rn(1.0f, exp_fp32(-g))); }
+
+// ---- Cheaper, bit-identical SiLU pieces for the fused kernels (perf rewrite) --------------------
+
+// exp_fp32(y) for every non-NaN y (same bits); a finite value for NaN y (silu_fp32_nonan lets the
+// division propagate the NaN). p * 2**n as one exponent-field addition: n in [-126, 128],
+// p in [0.70, 1.42], and p >= 1 where n == -126 (r > 0.036 there), so the sum is exact and normal;
+// exponents past 254 (only n == 128, p >= 1) saturate to +inf, as the two-step multiply overflows.
+// nb << 23 == n << 23 (mod 2**32): the magic 0x4B400000 has its low 22 bits clear.
+NVQ_HD float exp_fp32_nonan(float y) {
+  const float yc = fminf(fmaxf(y, kSiluExpLo), kSiluExpHi);  // NaN -> kSiluExpLo
+  uint32_t nb;
+  const float p = exp_core(yc, nb);
+  uint32_t rb = f2u(p) + (nb << 23);
+  rb = rb < 0x7F800000u ? rb : 0x7F800000u;
+  return y > kSiluExpHi ? u2f(0x7F800000u) : u2f(rb);
+}
+
+// exp_fp32(y) for |y| < 65 (same bits): no clamp is active there, n = rint(y * log2e) lies in
+// [-94, 94], so p * 2**n is one exact exponent-field addition (nb << 23 == n << 23 mod 2**32).
+NVQ_HD float exp_fp32_inrange(float y) {
+  uint32_t nb;
+  const float p = exp_core(y, nb);
   return u2f(f2u(p) + (nb << 23));
 }
 
