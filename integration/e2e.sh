@@ -13,12 +13,16 @@
 #               backend), the engine's built-in modelopt_fp4, bf16
 #   moe         the same for Qwen3-MoE (no bf16)
 #   smol        the same for SmolLM2-135M (variants whose folder is absent are skipped)
+#   smallmodels make-model Llama "small" (16 heads, 8 KV heads: real head sharding under TP) as llama_small
+#   tp          TP=1 vs --tensor-parallel-size 2 (needs 2 GPUs) for ours on the ModelOpt checkpoints of
+#               $TP_MODELS (default "llama qwen3_moe llama_small"): greedy text must match
+#               (integration/compare_tp.py -> $R/NAME-tp.md)
 #   cachecheck  serve one checkpoint with the default backend, then with the reference backend
 #   corrupt     a checkpoint with a missing scale tensor and one with an inf global scale must fail cleanly
 #   ref         CPU reference (integration/reference_logprobs.py: transformers fp32 on the dequantized
 #               weights) of every ModelOpt checkpoint and bf16 model in $M
 #   compare     the logprob table of everything in $R (integration/compare_logprobs.py -> $R/compare.md)
-# Results (one JSON per server, logs) are packed into $OUT/e2e-ENGINE.tgz. $R accumulates over calls
+# Results (one JSON per server, logs) are packed into $OUT/$(basename $R).tgz (e2e-ENGINE.tgz). $R accumulates over calls
 # of one hold (steps can be split across device calls); a later run of a step overwrites its files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -79,6 +83,16 @@ for s in "$@"; do
         quantize_both "$arch"
       done ;;
     smollm2) quantize_both smollm2 ;;
+    smallmodels)
+      [ -d "$M/llama_small-bf16" ] || python3 -m nvfp4_plugin.cli make-model "$M/llama_small-bf16" --arch llama --size small \
+        || status=1
+      quantize_both llama_small ;;
+    tp)
+      for name in ${TP_MODELS:-llama qwen3_moe llama_small}; do
+        serve "$name-tp1" "$M/$name-modelopt" --quantization nvfp4
+        serve "$name-tp2" "$M/$name-modelopt" --quantization nvfp4 -- --tensor-parallel-size 2
+        python3 integration/compare_tp.py "$R/$name-tp1.json" "$R/$name-tp2.json" --md "$R/$name-tp.md" || status=1
+      done ;;
     llama) serve_all llama with-bf16 ;;
     moe) serve_all qwen3_moe ;;
     smol) serve_all smollm2 with-bf16 ;;
@@ -103,5 +117,6 @@ for s in "$@"; do
     *) echo "unknown step $s"; status=2 ;;
   esac
 done
-tar czf "${OUT:-/tmp}/e2e-$ENGINE.tgz" -C "$R" . 2>/dev/null; ls -la "${OUT:-/tmp}/e2e-$ENGINE.tgz"
+tgz="${OUT:-/tmp}/$(basename "$R").tgz"  # e2e-ENGINE.tgz by default
+tar czf "$tgz" -C "$R" . 2>/dev/null; ls -la "$tgz"
 exit $status

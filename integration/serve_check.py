@@ -99,6 +99,7 @@ def run(args) -> dict:
                                                          "temperature": 0, "ignore_eos": True})
                 dt = time.time() - t1
                 result["decode_tokens"] = r["usage"]["completion_tokens"]
+                result["decode_text"] = r["choices"][0]["text"]
                 result["batch1_tok_per_s"] = round(result["decode_tokens"] / dt, 1)
         finally:
             if proc.poll() is None:

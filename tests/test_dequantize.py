@@ -165,6 +165,27 @@ def test_reference_logprobs_and_comparison(checkpoints, tmp_path):
     assert rows["builtin-modelopt"][3].startswith("0.5000") and rows["builtin-modelopt"][4] == "n/a"
 
 
+def test_compare_tp_gates_greedy_text(tmp_path):
+    """integration/compare_tp.py: identical greedy texts pass (a late decode difference is reported,
+    not gated); a different completion or a server that did not answer fails."""
+    base = {"completion": " Paris and", "chat": "Hello there friend", "decode_text": "abcdef",
+            "prompt_logprobs": [-1.0, -2.0, -3.0], "batch1_tok_per_s": 100.0}
+
+    def run(a, b):
+        pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+        pa.write_text(json.dumps(a))
+        pb.write_text(json.dumps(b))
+        return subprocess.run([sys.executable, str(ROOT / "integration/compare_tp.py"), str(pa), str(pb), "--md",
+                               str(tmp_path / "o.md")], capture_output=True, text=True)
+
+    r = run(base, dict(base, decode_text="abcxyz", prompt_logprobs=[-1.0, -2.25, -3.0]))
+    assert r.returncode == 0, r.stdout
+    assert "MATCH" in r.stdout and "differs at character 3" in r.stdout and "max 0.2500" in r.stdout
+    assert run(base, dict(base, completion=" Paris or")).returncode == 1
+    r = run(base, {"error": "not healthy after 420 s", "exit_code": -9})
+    assert r.returncode == 1 and "did not answer" in r.stdout
+
+
 def test_cli_sigterm_and_ctrl_c_leave_no_output(checkpoints, tmp_path, monkeypatch, capsys):
     """SIGTERM mid-write is handled like Ctrl-C: exit code 130, a message naming DST, no DST."""
     import os
