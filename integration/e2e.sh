@@ -16,7 +16,8 @@
 #   smallmodels make-model Llama "small" (16 heads, 8 KV heads: real head sharding under TP) as llama_small
 #   tp          TP=1 vs --tensor-parallel-size 2 (needs 2 GPUs) for ours on the ModelOpt checkpoints of
 #               $TP_MODELS (default "llama qwen3_moe llama_small"): greedy text must match
-#               (integration/compare_tp.py -> $R/NAME-tp.md)
+#               (integration/compare_tp.py -> $R/NAME-tp.md); tp1 / tp2 run one side only (e.g. TP=1
+#               on a one-GPU machine), compare_tp.py lines them up afterwards
 #   cachecheck  serve one checkpoint with the default backend, then with the reference backend
 #   corrupt     a checkpoint with a missing scale tensor and one with an inf global scale must fail cleanly
 #   ref         CPU reference (integration/reference_logprobs.py: transformers fp32 on the dequantized
@@ -87,15 +88,18 @@ for s in "$@"; do
       [ -d "$M/llama_small-bf16" ] || python3 -m nvfp4_plugin.cli make-model "$M/llama_small-bf16" --arch llama --size small \
         || status=1
       quantize_both llama_small ;;
-    tp)
+    tp|tp1|tp2)
+      # vLLM's all-reduce fast paths (custom all-reduce, torch symmetric memory, the fused
+      # all-reduce + RMSNorm pass) need NVLink multicast, which the GPU machines keep off: without
+      # these flags a TP=2 server dies at its profiling run with an illegal memory access.
+      export VLLM_ALLREDUCE_USE_SYMM_MEM=0
       for name in ${TP_MODELS:-llama qwen3_moe llama_small}; do
-        serve "$name-tp1" "$M/$name-modelopt" --quantization nvfp4
-        serve "$name-tp2" "$M/$name-modelopt" --quantization nvfp4 -- --tensor-parallel-size 2
-        python3 integration/compare_tp.py "$R/$name-tp1.json" "$R/$name-tp2.json" --md "$R/$name-tp.md" || status=1
+        [ "$s" = tp2 ] || serve "$name-tp1" "$M/$name-modelopt" --quantization nvfp4
+        [ "$s" = tp1 ] || serve "$name-tp2" "$M/$name-modelopt" --quantization nvfp4 -- --tensor-parallel-size 2 \
+          --disable-custom-all-reduce --compilation-config '{"pass_config": {"fuse_allreduce_rms": false}}'
+        [ "$s" = tp ] && { python3 integration/compare_tp.py "$R/$name-tp1.json" "$R/$name-tp2.json" --md "$R/$name-tp.md" \
+          || status=1; }
       done ;;
-    llama) serve_all llama with-bf16 ;;
-    moe) serve_all qwen3_moe ;;
-    smol) serve_all smollm2 with-bf16 ;;
     cachecheck)  # the reference backend after a default-backend run of the same model (vLLM's compile cache)
       serve "llama-ours-modelopt" "$M/llama-modelopt" --quantization nvfp4
       NVFP4_PLUGIN_LINEAR_BACKEND=reference NVFP4_PLUGIN_MOE_BACKEND=reference \
