@@ -34,8 +34,12 @@ from nvfp4_plugin import reference as ref  # noqa: E402
 
 #: (name, launch overrides); the first is the shipped default (see triton/_runtime.py). The Philox
 #: variant applies to stochastic kernels only (it changes the random stream; a what-if, not an option).
-CONFIGS = [("4096/4w", dict(elems=4096, num_warps=4)), ("2048/4w", dict(elems=2048, num_warps=4)),
-           ("8192/8w", dict(elems=8192, num_warps=8)),
+#: Program order "k" (K tiles of a row block fastest, the default) or "m" (row blocks fastest, the order
+#: before 2026-11-22's second session), and wider K tiles (max_block_k), are swept too.
+CONFIGS = [("4096/4w", dict(elems=4096, num_warps=4)), ("4096/4w order-m", dict(elems=4096, num_warps=4, order="m")),
+           ("2048/4w", dict(elems=2048, num_warps=4)), ("8192/8w", dict(elems=8192, num_warps=8)),
+           ("8192/8w bk1024", dict(elems=8192, num_warps=8, max_block_k=1024)),
+           ("16384/8w bk1024", dict(elems=16384, num_warps=8, max_block_k=1024)),
            ("4096/4w philox-7", dict(elems=4096, num_warps=4, philox_rounds=7))]
 TARGET_DET, TARGET_SR = 0.70, 0.50
 DEVICE = "cuda"  # "cpu" only for --smoke-cpu (Triton interpreter, tiny shapes, wall-clock timing)
@@ -228,7 +232,7 @@ def main(argv=None) -> int:
         lines.append(f"| {r['kernel']} | {r['bytes'] / 1e6:.1f} | {r['ms'] * 1e3:.1f} | {r['tbps']:.3f} | "
                      f"{r['share']:.1%} | {r['best']} | {r['best_share']:.1%} | {tgt} | {ref_ms} | {speed} | {eq} |")
     notes = [f"- {r['kernel']}: {r['note']}" for r in rows if r["note"]]
-    sweep = ["", "Sweep (elements per program / warps; Philox rounds for stochastic kernels), TB/s:", "",
+    sweep = ["", "Sweep (elements per program / warps; program order; widest K tile; Philox rounds for stochastic kernels), TB/s:", "",
              "| kernel | " + " | ".join(c[0] for c in configs) + " |", "|---|" + "---|" * len(configs)]
     for r in rows:
         cells = [f"{r['configs'][c[0]]['tbps']:.3f}" if c[0] in r["configs"] else "-" for c in configs]

@@ -79,6 +79,16 @@ def store_f32(ptrs, v, mask):
     tl.store(ptrs, val, mask=mask)
 
 
+@triton.jit
+def tile_ids(n_m, n_k, K_FAST: tl.constexpr):
+    """(row block, K tile) of this program in a 1-D grid of ``n_m * n_k`` (``_runtime.tile_grid``)."""
+    pid = tl.program_id(0)
+    if K_FAST:
+        return pid // n_k, pid % n_k
+    else:
+        return pid % n_m, pid // n_m
+
+
 # ----------------------------------------------------------------------------------------------
 # exponents
 # ----------------------------------------------------------------------------------------------

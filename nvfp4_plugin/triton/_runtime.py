@@ -99,7 +99,7 @@ def tile(kernel: str, k: int, block: int, *, min_block_k: int | None = None) -> 
 
 @contextlib.contextmanager
 def tile_override(kernel: str = "*", **cfg):
-    """Temporarily change the launch choices (keys: ``elems``, ``max_block_k``, ``num_warps``, and
+    """Temporarily change the launch choices (keys: ``elems``, ``max_block_k``, ``num_warps``, ``order``, and
     ``philox_rounds``, which changes the random stream: a benchmarking knob only)."""
     old = _override.get(kernel)
     _override[kernel] = cfg
@@ -142,5 +142,24 @@ def grid2(rows: int, cols: int, bm: int, bk: int) -> tuple[int, int]:
     return (triton.cdiv(rows, bm), triton.cdiv(cols, bk))
 
 
+#: Order of the programs of a ``row blocks x K tiles`` launch (one 1-D grid). ``"k"``: row-major,
+#: consecutive programs walk one row block's K tiles, so the programs resident at any moment read and
+#: write adjacent memory, as a copy kernel does. ``"m"``: consecutive row blocks of one K tile (each
+#: program's rows are a ``BLOCK_K``-wide strip far from its neighbours' output bytes). A benchmark knob
+#: (``tile_override(order=...)``); both orders give the same bytes.
+PROGRAM_ORDER = "k"
+
+
+def tile_grid(rows: int, cols: int, bm: int, bk: int, kernel: str = "*") -> tuple[tuple[int], int, int, bool]:
+    """(1-D grid, row blocks, K tiles, K-fastest) for a kernel that finds its tile with
+    ``_jit_numerics.tile_ids``."""
+    n_m, n_k = grid2(rows, cols, bm, bk)
+    ov = _override.get(kernel) or _override.get("*") or {}
+    order = ov.get("order", PROGRAM_ORDER)
+    if order not in ("k", "m"):
+        raise ValueError(f"order: expected 'k' or 'm', got {order!r}")
+    return (n_m * n_k,), n_m, n_k, order == "k"
+
+
 __all__ = ["LAUNCH_OPTIONS", "interpreting", "interpreter_problem", "check_device", "hw_fp8", "as_kernel_tensor", "tile", "tile_override",
-           "resolve_seed", "rows_view", "grid2"]
+           "resolve_seed", "rows_view", "grid2", "tile_grid", "PROGRAM_ORDER"]
