@@ -103,7 +103,7 @@ def dense_candidates(m: int, n: int, k: int) -> list[W4Config]:
                 for bk in (64, 128):
                     for stages in (3, 4):
                         cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=warps, num_stages=stages))
-        return cands
+        return cands + ss_candidates((64, 128))
     for bm in (128, 256):
         for bk in (64, 128):
             for stages in (3, 4):
@@ -111,6 +111,20 @@ def dense_candidates(m: int, n: int, k: int) -> list[W4Config]:
                     continue       # shared memory
                 cands.append(W4Config(bn=128, bm=bm, bk=bk, num_warps=8, num_stages=stages))
     cands.append(W4Config(dequant_mm=True))
+    return cands + ss_candidates((128, 256))
+
+
+def ss_candidates(bms, m_split=(0,)) -> list[W4Config]:
+    """Shared-memory wgmma tiles (tokens as M, decoded weights stored as the B operand); configs that
+    do not fit in shared memory fail to compile and are rejected by the tuner."""
+    cands = []
+    for bm in bms:
+        for bn in (128, 256):
+            for bk in (64, 128):
+                for stages in (3, 4):
+                    for ms in m_split:
+                        cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=8, num_stages=stages, m_split=ms,
+                                              ss=True))
     return cands
 
 
@@ -129,6 +143,8 @@ def grouped_candidates(rows: int, e: int, n: int, k: int) -> list[W4Config]:
                 for stages in (3, 4):
                     for ms in (1, 2, 4):
                         cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=warps, num_stages=stages, m_split=ms))
+    if per > 96:
+        cands += ss_candidates((64, 128), m_split=(1, 2))
     return cands
 
 
@@ -142,6 +158,8 @@ def masked_candidates(max_m: int, e: int, n: int, k: int) -> list[W4Config]:
                 for stages in (3, 4):
                     for ms in ((1,) if max_m <= 64 else (1, 2)):
                         cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=warps, num_stages=stages, m_split=ms))
+    if max_m > 64:
+        cands += ss_candidates((64, 128), m_split=(1, 2))
     return cands
 
 

@@ -174,7 +174,9 @@ def test_dequantize_kernel_is_exact():
         assert torch.allclose(full.cpu(), w.dequantize().cpu(), rtol=2**-22, atol=0)
 
 
-FUZZ_CONFIGS = [V2_8, V3_16, BN128, SPLIT, BK256, V2_16, BN32, W4Config(bn=128, bm=64, bk=128, num_warps=8, split_k=2)]
+SS64 = W4Config(bn=64, bm=64, bk=64, ss=True)
+FUZZ_CONFIGS = [V2_8, V3_16, BN128, SPLIT, BK256, V2_16, BN32, W4Config(bn=128, bm=64, bk=128, num_warps=8, split_k=2),
+                SS64]
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)
@@ -237,7 +239,7 @@ def grouped_ref(x, w: Nvfp4Weight, offsets, gather=None, scatter=None, row_scale
     return out.cpu()
 
 
-@pytest.mark.parametrize("cfg", [None, V2_8, W4Config(bn=64, bm=16, bk=64, m_split=2), BN128, BN32])
+@pytest.mark.parametrize("cfg", [None, V2_8, W4Config(bn=64, bm=16, bk=64, m_split=2), BN128, BN32, SS64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_grouped_sorted_rows(cfg, dtype):
     num_e, n, k, tokens, top_k = 4, 72, 96, 9, 2
@@ -411,15 +413,19 @@ def test_gpu_dense_shapes(m, n, k, dtype):
     assert ulp_error(w4_linear(x, p), y_ref, dtype, f"gpu_dense/{dtype}") <= 2
     # every kind of config selection can hand out
     for cfg in (V2_8, V2_16, V3_16, BN128, W4Config(bn=128, bm=128, bk=64, num_warps=8, num_stages=4),
-                W4Config(bn=64, bm=8, bk=256, v2=True, split_k=8), W4Config(dequant_mm=True)):
+                W4Config(bn=64, bm=8, bk=256, v2=True, split_k=8), W4Config(dequant_mm=True), SS64,
+                W4Config(bn=128, bm=128, bk=64, num_warps=8, num_stages=4, ss=True),
+                W4Config(bn=256, bm=128, bk=64, num_warps=8, num_stages=3, ss=True)):
         assert ulp_error(w4_linear(x, p, config=cfg), y_ref, dtype, f"gpu_dense/{dtype}") <= 2, cfg
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [W4Config(bn=128, bm=128, bk=64, num_warps=8, num_stages=4),
                                  W4Config(bn=128, bm=128, bk=64, num_warps=8, num_stages=3),
-                                 W4Config(bn=128, bm=256, bk=64, num_warps=8, num_stages=3)],
-                         ids=["bm128s4", "bm128s3", "bm256s3"])
+                                 W4Config(bn=128, bm=256, bk=64, num_warps=8, num_stages=3),
+                                 W4Config(bn=128, bm=128, bk=64, num_warps=8, num_stages=4, ss=True),
+                                 W4Config(bn=128, bm=256, bk=64, num_warps=8, num_stages=3, ss=True)],
+                         ids=["bm128s4", "bm128s3", "bm256s3", "ss_bm128s4", "ss_bm256s3"])
 def test_gpu_large_token_tiles(cfg):
     """The multi-wave shapes on which bm>=128 wgmma programs raced before the fix (select.MAX_SAFE_BM)."""
     assert cfg.bm <= gsel.MAX_SAFE_BM
@@ -441,6 +447,16 @@ def test_selection_stays_within_max_safe_bm(monkeypatch):
     monkeypatch.setattr(gsel, "MAX_SAFE_BM", 64)  # the clamp, should a Triton upgrade bring the race back
     assert gsel.safe(W4Config(bm=128)).bm == 64
     assert gsel.safe(W4Config(dequant_mm=True)).dequant_mm
+    assert gsel.safe(W4Config(bm=128, ss=True)).bm == 128  # shared-memory operands: no register race
+
+
+def test_ss_config_validation():
+    assert W4Config(bn=256, bm=128, ss=True, num_warps=8).bn == 256
+    with pytest.raises(ValueError, match="ss .*needs v2=False and bm >= 64"):
+        W4Config(bm=32, ss=True)
+    with pytest.raises(ValueError, match="W4Config.bn"):
+        W4Config(bn=256, bm=128)
+    assert W4Config.from_json(W4Config(bm=64, ss=True).to_json()) == W4Config(bm=64, ss=True)
 
 
 @pytest.mark.gpu
@@ -559,3 +575,14 @@ def test_gpu_fused_moe_and_graph():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(yg, y)
+
+
+@pytest.mark.parametrize("m", [1, 64, 65, 200])
+def test_dense_ss_tiles(m):
+    """Shared-memory wgmma tiles (tokens as M) give the reference on ragged M, N and K."""
+    dtype = torch.bfloat16
+    w = make_weight((), 72, 208, seed=m)
+    p = prepack(w, dtype)
+    x = act((m, 208), dtype, seed=m + 1)
+    for cfg in (SS64, W4Config(bn=128, bm=128, bk=128, num_warps=8, ss=True)):
+        assert ulp_error(w4_linear(x, p, config=cfg), dense_ref(x, w), dtype, "dense_ss") <= 2, cfg

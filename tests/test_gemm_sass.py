@@ -23,6 +23,9 @@ CASES = [
     # 64 FSEL of the wait that keeps the register A operand safe (see test_no_register_race) on top
     (dict(bn=128, bm=128, bk=64, num_warps=8, num_stages=4), "HGMMA", 7.0),
     (dict(bn=128, bm=256, bk=64, num_warps=8, num_stages=3), "HGMMA", 9.5),
+    # shared-memory wgmma (tokens as M): the decoded tile is stored with STSM, no wait in the loop
+    (dict(bn=128, bm=128, bk=64, num_warps=8, num_stages=4, ss=True), "HGMMA", 5.5),
+    (dict(bn=256, bm=128, bk=64, num_warps=8, num_stages=3, ss=True), "HGMMA", 4.5),
 ]
 
 SCRIPT = r"""
@@ -45,7 +48,8 @@ def _triton_has_ptxas() -> bool:
     return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
 
 
-@pytest.mark.parametrize("cfg,op,budget", CASES, ids=["v2_bm8", "v3_bm16", "v3_bm64", "v3_bm128", "v3_bm256"])
+@pytest.mark.parametrize("cfg,op,budget", CASES, ids=["v2_bm8", "v3_bm16", "v3_bm64", "v3_bm128", "v3_bm256",
+                                                          "ss_bm128", "ss_bn256"])
 @pytest.mark.parametrize("mode", [0, 1], ids=["dense", "grouped"])
 def test_sm90_sass(cfg, op, budget, mode):
     if not _triton_has_ptxas():
@@ -63,12 +67,16 @@ def test_sm90_sass(cfg, op, budget, mode):
     assert r["local"] == 0, r                                   # no spills / local arrays
     assert r["hmma" if op == "HMMA" else "hgmma"] > 0, r
     assert r["loop_ops"].get("HMMA" if op == "HMMA" else "HGMMA", 0) > 0, r
-    assert r["loop_ops"].get("STS", 0) == 0, r                  # decoded weights never go through smem
+    if cfg.get("ss"):
+        assert r["loop_ops"].get("STSM", 0) > 0, r              # decoded weights: the B operand in smem
+        assert r["loop_ops"].get("FSEL", 0) == 0, r             # no per-step wait on the accumulator
+    else:
+        assert r["loop_ops"].get("STS", 0) == 0 and r["loop_ops"].get("STSM", 0) == 0, r  # registers only
     assert r["loop_ops"].get("HMUL2", 0) > 0, r                 # the scale multiply is packed bf16x2
     elems_per_thread = cfg["bn"] * cfg["bk"] / (32 * cfg["num_warps"])
     assert r["loop_n"] / elems_per_thread <= budget, r
     # no write to the register A operand of a wgmma that may still run (triton-lang/triton#9433)
-    assert r["hazards"] == ([] if op == "HGMMA" else None), r["hazards"]
+    assert r["hazards"] == ([] if op == "HGMMA" and not cfg.get("ss") else None), r["hazards"]
 
 
 # The shape of Triton 3.6's pipelined register-A wgmma loop (abridged from the kernel's own SASS before

@@ -109,7 +109,7 @@ def _launch(kind_mode: int, x, w: PackedW4Weight, y, cfg: W4Config, m: int, grid
             IS_SPLIT=int(kind_mode == 0 and cfg.split_k > 1), V2=int(cfg.v2), USE_ASM=int(not tk.INTERPRET),
             EVEN_K=int(k % cfg.bk == 0), HAS_BIAS=int(bias is not None),
             HAS_GATHER=int(gather is not None), HAS_SCATTER=int(scatter is not None),
-            HAS_ROWSCALE=int(row_scale is not None), ACT_SCALE=act_scale_mode,
+            HAS_ROWSCALE=int(row_scale is not None), ACT_SCALE=act_scale_mode, SS=int(cfg.ss),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

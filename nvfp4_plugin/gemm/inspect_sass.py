@@ -44,7 +44,7 @@ def compile_config(cfg: W4Config, *, mode: int = 0, fp16: bool = False, even_k: 
         for k in ("x_ptr", "bias_ptr", "y_ptr"):
             sig[k] = "*fp16"
     const = dict(MODE=mode, DT=int(fp16), BN=cfg.bn, BM=cfg.bm, BK=cfg.bk, IS_SPLIT=int(cfg.split_k > 1),
-                 V2=int(cfg.v2), USE_ASM=1, EVEN_K=int(even_k),
+                 V2=int(cfg.v2), USE_ASM=1, EVEN_K=int(even_k), SS=int(cfg.ss),
                  HAS_BIAS=0, HAS_GATHER=0, HAS_SCATTER=0, HAS_ROWSCALE=0, ACT_SCALE=0)
     const.update(flags)
     for k in const:
@@ -181,11 +181,13 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--v2", action="store_true")
+    ap.add_argument("--ss", action="store_true", help="shared-memory wgmma (tokens as M, bm >= 64)")
     ap.add_argument("--mode", type=int, default=0)
     ap.add_argument("--fp16", action="store_true")
     ap.add_argument("--dump", help="write the SASS here")
     a = ap.parse_args(argv)
-    cfg = W4Config(bn=a.bn, bm=a.bm, bk=a.bk, split_k=a.split_k, num_warps=a.warps, num_stages=a.stages, v2=a.v2)
+    cfg = W4Config(bn=a.bn, bm=a.bm, bk=a.bk, split_k=a.split_k, num_warps=a.warps, num_stages=a.stages, v2=a.v2,
+                   ss=a.ss)
     ck = compile_config(cfg, mode=a.mode, fp16=a.fp16)
     s = summary(ck)
     if a.dump:

@@ -43,8 +43,9 @@ class W4Config:
     (8 needs ``v2``), bk: K per pipeline stage (64, 128 or 256), split_k: programs sharing one output
     tile along K (dense only), m_split: programs per (expert, N tile) in grouped/masked modes
     (0: heuristic), group_m: M tiles per raster group (dense, L2 reuse of the weight tiles),
-    v2: mma.sync instead of wgmma, dequant_mm: dense only, dequantize the weight and call torch.mm
-    (cuBLAS) instead (large M).
+    v2: mma.sync instead of wgmma, ss: wgmma with both operands in shared memory (tokens as its M
+    side, the decoded weight tile stored to shared memory; bm >= 64), dequant_mm: dense only,
+    dequantize the weight and call torch.mm (cuBLAS) instead (large M).
     """
 
     bn: int = 64
@@ -57,10 +58,11 @@ class W4Config:
     m_split: int = 0
     group_m: int = 8
     dequant_mm: bool = False
+    ss: bool = False
 
     def __post_init__(self):
-        if self.bn not in (32, 64, 128):
-            raise ValueError(f"W4Config.bn: expected 32, 64 or 128, got {self.bn}")
+        if self.bn not in (32, 64, 128) and not (self.ss and self.bn == 256):
+            raise ValueError(f"W4Config.bn: expected 32, 64 or 128 (256 with ss), got {self.bn}")
         if self.bk not in (64, 128, 256):
             raise ValueError(f"W4Config.bk: expected 64, 128 or 256, got {self.bk}")
         if self.bm not in (8, 16, 32, 64, 128, 256):
@@ -73,6 +75,9 @@ class W4Config:
             raise ValueError("W4Config: wgmma (v2=False) needs bn >= 64 and num_warps >= 4 (a warpgroup)")
         if self.bn < 16 * self.num_warps:
             raise ValueError(f"W4Config: bn={self.bn} is fewer rows than num_warps={self.num_warps} warps x 16")
+        if self.ss and (self.v2 or self.bm < 64):
+            raise ValueError(f"W4Config: ss (shared-memory wgmma, tokens as M) needs v2=False and bm >= 64, got "
+                             f"v2={self.v2}, bm={self.bm}")
         if self.split_k < 1 or self.num_stages < 1 or self.m_split < 0 or self.group_m < 1:
             raise ValueError(f"W4Config: invalid {self}")
 
@@ -202,7 +207,9 @@ MAX_SAFE_BM = 256
 
 
 def safe(cfg: W4Config) -> W4Config:
-    if cfg.dequant_mm or cfg.bm <= MAX_SAFE_BM:
+    """Clamp the token tile of register-A wgmma configs to MAX_SAFE_BM (``ss`` and ``dequant_mm`` have
+    no register operand to race on)."""
+    if cfg.dequant_mm or cfg.ss or cfg.bm <= MAX_SAFE_BM:
         return cfg
     return replace(cfg, bm=MAX_SAFE_BM)
 

@@ -225,13 +225,21 @@ def _weight_tile(q, sp, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, V2
 @_jit
 def _mma_tile(x_ptr, stride_xm, src_rows, row_ok, q_tile, s_tile, k_lo, k_hi, K, K_pad,
               BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, V2: tl.constexpr,
-              USE_ASM: tl.constexpr, EVEN_K: tl.constexpr):
-    """``acc[BN, BM] = W[n-tile, k_lo:k_hi] @ x[rows, k_lo:k_hi]^T`` (fp32)."""
+              USE_ASM: tl.constexpr, EVEN_K: tl.constexpr, SS: tl.constexpr = False):
+    """``acc[BN, BM] = W[n-tile, k_lo:k_hi] @ x[rows, k_lo:k_hi]^T`` (fp32).
+
+    ``SS`` (large token tiles): the tokens are the wgmma M side, ``acc^T[BM, BN] = x @ W^T``, with both
+    operands in shared memory (the decoded tile is stored there as the B operand), so the pipeliner
+    keeps wgmmas in flight across K steps with no register operand to protect; transposed once at the end.
+    """
     KA: tl.constexpr = BK // 64
     ka = tl.arange(0, KA)
     offs_k = tl.arange(0, BK)
     x_rows = x_ptr + src_rows[:, None].to(tl.int64) * stride_xm
-    acc = tl.full([BN, BM], 0.0, tl.float32)
+    if SS:
+        acc = tl.full([BM, BN], 0.0, tl.float32)
+    else:
+        acc = tl.full([BN, BM], 0.0, tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         if EVEN_K:
             q = tl.load(q_tile + k0 // 4)
@@ -248,7 +256,12 @@ def _mma_tile(x_ptr, stride_xm, src_rows, row_ok, q_tile, s_tile, k_lo, k_hi, K,
         if V2:
             xr = tl.reshape(x, [BM, BK // 16, 2, 4, 2])                  # m, j, kh, c, e
             x = tl.reshape(tl.permute(xr, [0, 1, 3, 2, 4]), [BM, BK])  # m, j, c, kh, e
-        if USE_ASM:
+        if SS:
+            if USE_ASM:
+                acc = tl.dot(x, tl.trans(w), acc)
+            else:
+                acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        elif USE_ASM:
             acc = tl.dot(w, tl.trans(x), acc)
             if not V2:
                 # wgmma with the decoded weights as its register A operand: Triton 3.6 splits the dot
@@ -260,7 +273,11 @@ def _mma_tile(x_ptr, stride_xm, src_rows, row_ok, q_tile, s_tile, k_lo, k_hi, K,
         else:
             # interpreter: 16-bit float dots are not emulated faithfully there; fp32 is exact here
             acc = tl.dot(w, tl.trans(x).to(tl.float32), acc, input_precision="ieee")
-    return acc
+    if SS:
+        res = tl.trans(acc)
+    else:
+        res = acc
+    return res
 
 
 @_jit
@@ -289,7 +306,7 @@ def w4_gemm_kernel(
         MODE: tl.constexpr, DT: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
         IS_SPLIT: tl.constexpr, V2: tl.constexpr,
         USE_ASM: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GATHER: tl.constexpr,
-        HAS_SCATTER: tl.constexpr, HAS_ROWSCALE: tl.constexpr, ACT_SCALE: tl.constexpr):
+        HAS_SCATTER: tl.constexpr, HAS_ROWSCALE: tl.constexpr, ACT_SCALE: tl.constexpr, SS: tl.constexpr = 0):
     R: tl.constexpr = BN // 2
     KA: tl.constexpr = BK // 64
     n_tiles = _cdiv(N, BN)
@@ -332,7 +349,7 @@ def w4_gemm_kernel(
         k_lo = pid_k * per * BK
         k_hi = tl.minimum(K, (pid_k + 1) * per * BK)
         acc = _mma_tile(x_ptr, stride_xm, rows, row_ok, q_tile, s_tile, k_lo, k_hi, K, K_pad, BN, BM, BK, DT, V2,
-                        USE_ASM, EVEN_K)
+                        USE_ASM, EVEN_K, SS)
         if not IS_SPLIT:
             _epilogue(acc, y_ptr, stride_ym, offs_n, n_ok, rows, row_ok, alpha_e, bias_ptr, actscale_ptr, 0,
                       rowscale_ptr, HAS_BIAS, ACT_SCALE, False)
@@ -378,7 +395,7 @@ def w4_gemm_kernel(
             else:
                 dst = rows
             acc = _mma_tile(x_e, stride_xm, src, row_ok, q_tile, s_tile, 0, K, K, K_pad, BN, BM, BK, DT, V2,
-                            USE_ASM, EVEN_K)
+                            USE_ASM, EVEN_K, SS)
             _epilogue(acc, y_e, stride_ym, offs_n, n_ok, dst, row_ok, alpha_e, bias_ptr, actscale_ptr, e,
                       rowscale_ptr, HAS_BIAS, ACT_SCALE, HAS_ROWSCALE)
 
