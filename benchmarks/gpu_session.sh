@@ -7,6 +7,8 @@
 #   sanitize  compute-sanitizer memcheck + racecheck over the compiled ops
 #   bench-quant / bench-triton / bench-gemm / tune-gemm / bench-quantize   the benchmark scripts
 #   diag-gemm every tile shape against the reference on the shapes that exposed the wgmma race
+#   ncu       Nsight Compute profiles of the GEMM and Triton quant kernels where targets are missed
+#             (benchmarks/ncu_profile.py -> $R/ncu/summary.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 R=/tmp/session; mkdir -p "$R"
@@ -35,6 +37,7 @@ for s in "$@"; do
     bench-triton) step bench-triton python3 benchmarks/bench_triton_quant.py --out "$R/triton_quant_h200.md" ;;
     bench-gemm) step bench-gemm python3 benchmarks/bench_gemm.py --out "$R" ;;
     tune-gemm) step tune-gemm python3 benchmarks/tune_gemm.py --out "$R" ;;
+    ncu) step ncu python3 benchmarks/ncu_profile.py --out "$R/ncu" ;;
     bench-quantize) step bench-quantize python3 benchmarks/bench_quantize.py --out "$R/quantize_h200.md" --weight-only-too ;;
     *) echo "unknown step $s"; status=2 ;;
   esac

@@ -1,0 +1,157 @@
+"""Nsight Compute profiles of the hot kernels at the shapes where a target is missed, summarized.
+
+One command on the GPU machine (ncu is on its PATH):
+
+    python3 benchmarks/ncu_profile.py --out /tmp/session/ncu
+
+For each case it runs this same file as a driver under ``ncu`` (``--clock-control none``: the clocks
+the benchmarks see), profiles one launch of the kernel after warm-up calls, and then writes
+``summary.md``: duration, DRAM / SM throughput as % of peak, issue-slot use, occupancy, registers,
+and the top warp-stall reasons per issued instruction. These are the numbers behind the "why"
+of a missed target: DRAM near peak means the kernel is bandwidth-bound (more bytes moved than
+necessary, or a low ceiling); low DRAM with high issue means it is instruction-bound; low both
+with long-scoreboard stalls means too few bytes are in flight (latency-bound).
+
+Cases are ``gemm:N:K:M`` (dense FP4-weight GEMM, selected config, or ``gemm:N:K:M:ss`` for the
+tuner's best shared-memory wgmma candidate) and ``triton:OP:M:K`` (Triton quantization kernels:
+``fp4``, ``mxfp4``, ``mxfp4fwd``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import subprocess
+import sys
+
+DEFAULT_CASES = ["gemm:28672:4096:1", "gemm:28672:4096:16", "gemm:28672:4096:256", "gemm:28672:4096:4096",
+                 "gemm:2048:7168:1", "gemm:28672:4096:256:ss", "gemm:28672:4096:4096:ss",
+                 "triton:fp4:8192:7168", "triton:mxfp4:8192:7168", "triton:mxfp4fwd:8192:7168"]
+KERNEL = {"gemm": "regex:w4_gemm", "triton": "regex:_nvfp4_kernel|_mx_kernel"}
+WARMUP = 3
+SECTIONS = ["SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "SchedulerStats", "WarpStateStats"]
+STALLS = "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"
+#: details-page metric names kept in the summary (section "Metric Name" column)
+KEEP = ["Duration", "DRAM Throughput", "Memory Throughput", "Compute (SM) Throughput", "Issue Slots Busy",
+        "Issued Warp Per Scheduler", "Achieved Occupancy", "Theoretical Occupancy", "Registers Per Thread",
+        "Grid Size", "Block Size", "Warp Cycles Per Issued Instruction", "L2 Hit Rate"]
+
+
+def drive(case: str) -> None:
+    """Run the case's kernel WARMUP + 1 times (ncu skips the warm-up launches)."""
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    kind, *rest = case.split(":")
+    if kind == "gemm":
+        import bench_gemm as bg
+        from nvfp4_plugin.gemm import W4Config, w4_linear
+
+        n, k, m = (int(v) for v in rest[:3])
+        p = bg.random_packed((), n, k, seed=1)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        cfg = None
+        if rest[3:] == ["ss"]:
+            cfg = W4Config(bn=256 if n % 256 == 0 else 128, bm=128 if m <= 1024 else 256, bk=64, num_warps=8,
+                           num_stages=3, ss=True)
+        for _ in range(WARMUP + 1):
+            w4_linear(x, p, config=cfg)
+    elif kind == "triton":
+        from nvfp4_plugin.triton import mx, nvfp4
+
+        op, m, k = rest[0], int(rest[1]), int(rest[2])
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        gs = torch.ones(1, device="cuda")
+        fn = {"fp4": lambda: nvfp4.scaled_fp4_quant(x, gs), "mxfp4": lambda: mx.mxfp4_quantize(x),
+              "mxfp4fwd": lambda: mx.mxfp4_forward(x)}[op]
+        for _ in range(WARMUP + 1):
+            fn()
+    else:
+        raise SystemExit(f"unknown case kind {kind!r} in {case!r}")
+    torch.cuda.synchronize()
+
+
+def run_ncu(case: str, out_dir: str) -> tuple[str, str]:
+    kind = case.split(":")[0]
+    tag = case.replace(":", "_")
+    base = ["ncu", "--target-processes", "all", "--clock-control", "none", "--kernel-name", KERNEL[kind],
+            "--launch-skip", str(WARMUP), "--launch-count", "1", "--csv"]
+    me = [sys.executable, os.path.abspath(__file__), "--drive", case]
+    details = subprocess.run(base + [a for s in SECTIONS for a in ("--section", s)] + ["--page", "details"] + me,
+                             capture_output=True, text=True)
+    stalls = subprocess.run(base + ["--metrics", STALLS, "--page", "raw"] + me, capture_output=True, text=True)
+    for name, r in (("details", details), ("stalls", stalls)):
+        with open(os.path.join(out_dir, f"{tag}.{name}.csv"), "w") as f:
+            f.write(r.stdout)
+        with open(os.path.join(out_dir, f"{tag}.{name}.err"), "w") as f:
+            f.write(r.stderr[-20000:])
+    return details.stdout, stalls.stdout
+
+
+def _csv_rows(text: str) -> list[list[str]]:
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    return list(csv.reader(io.StringIO("\n".join(lines))))
+
+
+def parse_details(text: str) -> dict[str, str]:
+    rows = _csv_rows(text)
+    if not rows:
+        return {}
+    head = rows[0]
+    try:
+        i_name, i_unit, i_val = head.index("Metric Name"), head.index("Metric Unit"), head.index("Metric Value")
+    except ValueError:
+        return {}
+    out = {}
+    for r in rows[1:]:
+        if len(r) > i_val and r[i_name] in KEEP and r[i_name] not in out:
+            out[r[i_name]] = f"{r[i_val]} {r[i_unit]}".strip()
+    return out
+
+
+def parse_stalls(text: str, top: int = 4) -> str:
+    rows = _csv_rows(text)
+    if len(rows) < 3:
+        return "-"
+    head, vals = rows[0], rows[-1]
+    found = []
+    for h, v in zip(head, vals):
+        if h.startswith("smsp__average_warps_issue_stalled_"):
+            try:
+                found.append((float(v.replace(",", "")), h[len("smsp__average_warps_issue_stalled_"):].split("_per_")[0]))
+            except ValueError:
+                pass
+    found.sort(reverse=True)
+    return ", ".join(f"{name} {val:.2f}" for val, name in found[:top]) or "-"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="/tmp/session/ncu")
+    ap.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
+    ap.add_argument("--drive", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.drive:
+        drive(args.drive)
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    cols = ["Duration", "DRAM Throughput", "Compute (SM) Throughput", "Issue Slots Busy", "Achieved Occupancy",
+            "Registers Per Thread", "Grid Size", "Warp Cycles Per Issued Instruction"]
+    lines = ["| case | " + " | ".join(cols) + " | top stalls (warps per issue) |", "|---|" + "---|" * (len(cols) + 1)]
+    for case in args.cases:
+        d, s = run_ncu(case, args.out)
+        m = parse_details(d)
+        lines.append(f"| {case} | " + " | ".join(m.get(c, "-") for c in cols) + f" | {parse_stalls(s)} |")
+        print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
