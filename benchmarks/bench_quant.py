@@ -9,6 +9,8 @@ rotate over enough copies that each replay reads more than 2 x 60 MB (beyond L2)
 CUDA-graph replays of R calls (no launch or Python overhead; M = 1 is thus the kernel time), except
 the reference, which is timed eagerly. Ops and shapes (M x K, K in {2048, 4096, 7168}):
   nvfp4_dense            scaled_fp4_quant, bf16 [M, K], swizzled e4m3 scales
+  nvfp4_dense_linear     same with linear scales (whole 32-B scale sectors per row and CTA step: the
+                         diagnostic of csrc/quant/PERF_NOTES.md §2.4, partial swizzled sector writes)
   nvfp4_experts          scaled_fp4_experts_quant, M tokens x top-8 rows over E = 256 experts
   nvfp4_masked_silu      silu_and_mul_scaled_fp4_experts_quant, 32 local experts, M x 8 / 32 rows
                          each (max_m), mask ~ 75% full on average, input [32, max_m, 2K], given outputs
@@ -138,9 +140,9 @@ def make_case(op: str, m: int, k: int, seed: int):
     x_bytes = m * k * 2
     n = copies(x_bytes)
     xs = [torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
-    if op == "nvfp4_dense":
+    if op in ("nvfp4_dense", "nvfp4_dense_linear"):
         gs = nx.tensor_global_scale(xs[0]).reshape(1)
-        sf = nx.round_up(m, 128) * nx.round_up(k // 16, 4)
+        sf = nx.round_up(m, 128) * nx.round_up(k // 16, 4) if op == "nvfp4_dense" else m * (k // 16)
         return [(x, gs) for x in xs], x_bytes + m * k // 2 + sf, ""
     if op in ("fp8_group", "fp8_group_ue8m0"):
         sf = m * k // 128 * 4 if op == "fp8_group" else m * nx.ceil_div(k // 128, 4) * 4
@@ -161,6 +163,7 @@ def ours(op: str):
 
     return {
         "nvfp4_dense": lambda x, gs: c.scaled_fp4_quant(x, gs),
+        "nvfp4_dense_linear": lambda x, gs: c.scaled_fp4_quant(x, gs, swizzle=False),
         "nvfp4_experts": lambda x, gs, eo, bo: c.scaled_fp4_experts_quant(x, gs, eo, bo),
         "nvfp4_masked_silu": lambda x, gs, mask, out, sf: c.silu_and_mul_scaled_fp4_experts_quant(
             x, gs, mask, output=out, output_scale=sf),
@@ -174,6 +177,7 @@ def ours(op: str):
 def reference_fn(op: str):
     return {
         "nvfp4_dense": lambda x, gs: ref.scaled_fp4_quant(x, gs),
+        "nvfp4_dense_linear": lambda x, gs: ref.scaled_fp4_quant(x, gs, swizzle=False),
         "nvfp4_experts": lambda x, gs, eo, bo: ref.scaled_fp4_experts_quant(x, gs, eo, bo),
         "nvfp4_masked_silu": lambda x, gs, mask, out, sf: ref.silu_and_mul_scaled_fp4_experts_quant(
             x, gs, mask, output=out, output_scale=sf),
@@ -251,8 +255,8 @@ def copy_bandwidth() -> float:
 
 PEER_FOR = {"fp8_group": ("sgl_kernel.fp8_group", "vllm.fp8_group"), "fp8_group_ue8m0": ("sgl_kernel.fp8_group_ue8m0",),
             "fp8_token": ("sgl_kernel.fp8_token", "vllm.fp8_token"), "fp8_tensor_dynamic": ("vllm.fp8_tensor_dynamic",)}
-OPS = ("nvfp4_dense", "nvfp4_experts", "nvfp4_masked_silu", "fp8_group", "fp8_group_ue8m0", "fp8_token",
-       "fp8_tensor_dynamic")
+OPS = ("nvfp4_dense", "nvfp4_dense_linear", "nvfp4_experts", "nvfp4_masked_silu", "fp8_group", "fp8_group_ue8m0",
+       "fp8_token", "fp8_tensor_dynamic")
 
 
 def main() -> int:
