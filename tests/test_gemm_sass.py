@@ -23,7 +23,7 @@ CASES = [
     # 64 FSEL of the wait that keeps the register A operand safe (see test_no_register_race) on top
     (dict(bn=128, bm=128, bk=64, num_warps=8, num_stages=4), "HGMMA", 7.0),
     (dict(bn=128, bm=256, bk=64, num_warps=8, num_stages=3), "HGMMA", 9.5),
-    # shared-memory wgmma (tokens as M): the decoded tile is stored with STSM, no wait in the loop
+    # shared-memory wgmma (tokens as M): the decoded tile is stored with STSM, no FSEL-forced wait
     (dict(bn=128, bm=128, bk=64, num_warps=8, num_stages=4, ss=True), "HGMMA", 5.5),
     (dict(bn=256, bm=128, bk=64, num_warps=8, num_stages=3, ss=True), "HGMMA", 4.5),
 ]
@@ -69,7 +69,7 @@ def test_sm90_sass(cfg, op, budget, mode):
     assert r["loop_ops"].get("HMMA" if op == "HMMA" else "HGMMA", 0) > 0, r
     if cfg.get("ss"):
         assert r["loop_ops"].get("STSM", 0) > 0, r              # decoded weights: the B operand in smem
-        assert r["loop_ops"].get("FSEL", 0) == 0, r             # no per-step wait on the accumulator
+        assert r["loop_ops"].get("FSEL", 0) == 0, r             # no forced wait (register-A path: 64 FSEL)
     else:
         assert r["loop_ops"].get("STS", 0) == 0 and r["loop_ops"].get("STSM", 0) == 0, r  # registers only
     assert r["loop_ops"].get("HMUL2", 0) > 0, r                 # the scale multiply is packed bf16x2

@@ -229,8 +229,10 @@ def _mma_tile(x_ptr, stride_xm, src_rows, row_ok, q_tile, s_tile, k_lo, k_hi, K,
     """``acc[BN, BM] = W[n-tile, k_lo:k_hi] @ x[rows, k_lo:k_hi]^T`` (fp32).
 
     ``SS`` (large token tiles): the tokens are the wgmma M side, ``acc^T[BM, BN] = x @ W^T``, with both
-    operands in shared memory (the decoded tile is stored there as the B operand), so the pipeliner
-    keeps wgmmas in flight across K steps with no register operand to protect; transposed once at the end.
+    operands in shared memory (the decoded tile is stored there with STSM as the B operand); transposed
+    once at the end. There is no register operand to race on, so no forced wait (the register-A path's
+    64 FSEL per step); Triton 3.6 still retires each step's wgmmas (``WARPGROUP.DEPBAR gsb0, 0``) before
+    the next decode, so overlap comes from the other warps and CTAs of the SM, as before.
     """
     KA: tl.constexpr = BK // 64
     ka = tl.arange(0, KA)
