@@ -103,7 +103,7 @@ def dense_candidates(m: int, n: int, k: int) -> list[W4Config]:
                 for bk in (64, 128):
                     for stages in (3, 4):
                         cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=warps, num_stages=stages))
-        return cands + ss_candidates((64, 128))
+        return cands + ss_candidates(n, (64, 128))
     for bm in (128, 256):
         for bk in (64, 128):
             for stages in (3, 4):
@@ -111,15 +111,18 @@ def dense_candidates(m: int, n: int, k: int) -> list[W4Config]:
                     continue       # shared memory
                 cands.append(W4Config(bn=128, bm=bm, bk=bk, num_warps=8, num_stages=stages))
     cands.append(W4Config(dequant_mm=True))
-    return cands + ss_candidates((128, 256))
+    return cands + ss_candidates(n, (128, 256))
 
 
-def ss_candidates(bms, m_split=(0,)) -> list[W4Config]:
+def ss_candidates(n: int, bms, m_split=(0,)) -> list[W4Config]:
     """Shared-memory wgmma tiles (tokens as M, decoded weights stored as the B operand); configs that
-    do not fit in shared memory fail to compile and are rejected by the tuner."""
+    do not fit in shared memory fail to compile and are rejected by the tuner. bn=256 only where the
+    padded N is a multiple of 256 (the kernel's weight loads are unmasked along N), and not with
+    bm=256 (a 256x256 fp32 accumulator does not fit in registers)."""
     cands = []
+    wide = (-(-n // 128) * 128) % 256 == 0
     for bm in bms:
-        for bn in (128, 256):
+        for bn in (128, 256) if wide and bm < 256 else (128,):
             for bk in (64, 128):
                 for stages in (3, 4):
                     for ms in m_split:
@@ -144,7 +147,7 @@ def grouped_candidates(rows: int, e: int, n: int, k: int) -> list[W4Config]:
                     for ms in (1, 2, 4):
                         cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=warps, num_stages=stages, m_split=ms))
     if per > 96:
-        cands += ss_candidates((64, 128), m_split=(1, 2))
+        cands += ss_candidates(n, (64, 128), m_split=(1, 2))
     return cands
 
 
@@ -159,7 +162,7 @@ def masked_candidates(max_m: int, e: int, n: int, k: int) -> list[W4Config]:
                     for ms in ((1,) if max_m <= 64 else (1, 2)):
                         cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=warps, num_stages=stages, m_split=ms))
     if max_m > 64:
-        cands += ss_candidates((64, 128), m_split=(1, 2))
+        cands += ss_candidates(n, (64, 128), m_split=(1, 2))
     return cands
 
 

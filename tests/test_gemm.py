@@ -457,6 +457,15 @@ def test_ss_config_validation():
     with pytest.raises(ValueError, match="W4Config.bn"):
         W4Config(bn=256, bm=128)
     assert W4Config.from_json(W4Config(bm=64, ss=True).to_json()) == W4Config(bm=64, ss=True)
+    # a 256-wide tile must divide the padded N (its weight loads are unmasked along N)
+    wide = W4Config(bn=256, bm=64, bk=64, num_warps=8, ss=True)
+    for n in (72, 384):
+        p = prepack(make_weight((), n, 64, seed=n), torch.bfloat16)
+        with pytest.raises(ValueError, match=f"bn=256 needs the padded N \\({p.layout.n_pad}\\)"):
+            w4_linear(act((3, 64), torch.bfloat16, seed=1), p, config=wide)
+    w = make_weight((), 500, 64, seed=5)  # padded to 512: fine
+    x = act((65, 64), torch.bfloat16, seed=6)
+    assert ulp_error(w4_linear(x, prepack(w, torch.bfloat16), config=wide), dense_ref(x, w), torch.bfloat16, "ss256") <= 2
 
 
 @pytest.mark.gpu

@@ -36,7 +36,7 @@ cfg = W4Config(**json.loads(sys.argv[1]))
 s = I.summary(I.compile_config(cfg, mode=int(sys.argv[2])))
 inner = s["loops"][-1] if int(sys.argv[2]) == 0 else max(s["loops"], key=lambda l: l[1].get("HMMA", 0) + l[1].get("HGMMA", 0))
 print(json.dumps(dict(local=s["local"], hgmma=s["hgmma"], hmma=s["hmma"], loop_n=inner[0], loop_ops=dict(inner[1]),
-                      hazards=s["rs_wgmma_hazards"])))
+                      hazards=s["rs_wgmma_hazards"], ss_hazards=s["ss_store_hazards"])))
 """
 
 
@@ -70,6 +70,8 @@ def test_sm90_sass(cfg, op, budget, mode):
     if cfg.get("ss"):
         assert r["loop_ops"].get("STSM", 0) > 0, r              # decoded weights: the B operand in smem
         assert r["loop_ops"].get("FSEL", 0) == 0, r             # no forced wait (register-A path: 64 FSEL)
+        # the decoded tile's buffer is rewritten each step: never while a wgmma may still read it
+        assert r["ss_hazards"] == [], r["ss_hazards"]
     else:
         assert r["loop_ops"].get("STS", 0) == 0 and r["loop_ops"].get("STSM", 0) == 0, r  # registers only
     assert r["loop_ops"].get("HMUL2", 0) > 0, r                 # the scale multiply is packed bf16x2
@@ -117,3 +119,26 @@ def test_register_race_scanner():
     shared_a = _RACY.replace("R24, R88,", "R24, gdesc[UR4],").replace("R24, R92,", "R24, gdesc[UR4],") \
         .replace("R24, R96,", "R24, gdesc[UR4],").replace("R24, R100,", "R24, gdesc[UR4],")
     assert rs_wgmma_hazards(shared_a) is None  # A from shared memory: no register operand to race on
+
+
+_SS_LOOP = """
+        /*1bf0*/                   STSM.16.M88.4 [R109], R12 ;
+        /*1f00*/                   MEMBAR.ALL.CTA ;
+        /*1f30*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*2040*/                   WARPGROUP.ARRIVE ;
+        /*2050*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR12], R24 ;
+        /*2110*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24, gsb0 ;
+        /*2120*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*21c0*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*22c0*/              @!P0 BRA 0x1bf0 ;
+"""
+
+
+def test_shared_b_store_hazard_scanner():
+    """The ss loop (abridged from its sm_90a SASS) retires its wgmmas before the next STSM of the
+    decoded tile; without that wait, or with one that leaves a group running, the store races."""
+    from nvfp4_plugin.gemm.inspect_sass import ss_store_hazards
+
+    assert ss_store_hazards(_SS_LOOP) == []
+    assert ss_store_hazards(_SS_LOOP.replace("gsb0, 0x0", "gsb0, 0x1")) == ["/*1bf0*/ STSM.16.M88.4 [R109], R12"]
+    assert ss_store_hazards(_SS_LOOP.replace("gdesc[UR12]", "R88").replace("gdesc[UR8]", "R92")) is None

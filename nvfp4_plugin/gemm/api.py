@@ -93,6 +93,11 @@ def _launch(kind_mode: int, x, w: PackedW4Weight, y, cfg: W4Config, m: int, grid
             scatter=None, row_scale=None, act_scale=None, act_scale_mode: int = 0, bias=None, ws=None, cnt=None,
             stride_xm=0, stride_xe=0, stride_ym=0, stride_ye=0):
     lay = w.layout
+    if lay.n_pad % cfg.bn:
+        # the weight, scale and alpha loads of a tile are unmasked along N: they stay in bounds only
+        # when the tile width divides the padded N (layout.N_PAD_MULTIPLE; bn=256 needs N % 256 padding)
+        raise ValueError(f"config: bn={cfg.bn} needs the padded N ({lay.n_pad}) to be a multiple of it; "
+                         f"use bn <= {lay.n_pad & -lay.n_pad} for N={lay.n}")
     d = _dummy(x.device)
     k = lay.k
     with _mma_v2_env(cfg):

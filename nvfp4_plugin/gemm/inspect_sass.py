@@ -4,7 +4,8 @@
 
 Prints registers / shared memory / spills and the instruction mix of the main loop: the decode must
 show as LOP3/SHF/HMUL2 feeding HGMMA (wgmma) or HMMA (mma.sync) with no STS/LDS round trip of
-decoded values and no local memory (LDL/STL).
+decoded values (except ``--ss``, which stores them with STSM as the shared B operand) and no local
+memory (LDL/STL).
 """
 
 from __future__ import annotations
@@ -163,13 +164,44 @@ def rs_wgmma_hazards(sass: str) -> list[str] | None:
     return hits
 
 
+def ss_store_hazards(sass: str) -> list[str] | None:
+    """Shared-memory stores (STS/STSM: the decoded B tile of the ``ss`` variant) issued while a wgmma
+    of the main loop may still be reading shared memory, i.e. before a ``WARPGROUP.DEPBAR.LE gsb0, 0x0``
+    retired every wgmma group, across the back edge too. The single decoded-tile buffer is rewritten
+    each K step, so such a store would race with the wgmma reading it. Returns None when the loop has
+    no wgmma reading shared memory for both operands, else the offending instructions."""
+    ins = _instructions(sass)
+    loop = None
+    for addr, text in ins:
+        m = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            lo = int(m.group(1), 16)
+            if any(t.startswith("HGMMA") for a, t in ins if lo <= a <= addr) and (loop is None or addr - lo < loop[1] - loop[0]):
+                loop = (lo, addr)
+    if loop is None:
+        return None
+    body = [(a, t) for a, t in ins if loop[0] <= a <= loop[1]]
+    if not any(t.startswith("HGMMA") and "gdesc" in t.split(",")[1] for _, t in body):
+        return None
+    inflight, hits = False, []
+    for walk in (0, 1):
+        for a, t in body:
+            if t.startswith("HGMMA"):
+                inflight = True
+            elif t.startswith("WARPGROUP.DEPBAR") and int(t.split(",")[-1], 16) == 0:
+                inflight = False
+            elif walk == 1 and inflight and re.match(r"STS(M)?\b", t):
+                hits.append(f"/*{a:04x}*/ {t}")
+    return hits
+
+
 def summary(compiled) -> dict:
     sass = sass_text(compiled)
     ops = collections.Counter(t.split()[0].split(".")[0] for _, t in _instructions(sass))
     md = compiled.metadata
     return {"shared": md.shared, "spills": getattr(compiled, "n_spills", None), "regs": getattr(compiled, "n_regs", None),
             "local": ops.get("LDL", 0) + ops.get("STL", 0), "hgmma": ops.get("HGMMA", 0), "hmma": ops.get("HMMA", 0),
-            "loops": loops(sass), "rs_wgmma_hazards": rs_wgmma_hazards(sass)}
+            "loops": loops(sass), "rs_wgmma_hazards": rs_wgmma_hazards(sass), "ss_store_hazards": ss_store_hazards(sass)}
 
 
 def main(argv=None) -> int:
@@ -194,7 +226,7 @@ def main(argv=None) -> int:
         with open(a.dump, "w") as f:
             f.write(sass_text(ck))
     print(f"{cfg}\nshared={s['shared']} local_mem_instrs={s['local']} HGMMA={s['hgmma']} HMMA={s['hmma']} "
-          f"register-A wgmma hazards={s['rs_wgmma_hazards']}")
+          f"register-A wgmma hazards={s['rs_wgmma_hazards']} shared-B store hazards={s['ss_store_hazards']}")
     for n, c in s["loops"]:
         print(f"  loop: {n} instrs: " + ", ".join(f"{k}={v}" for k, v in c.most_common(14)))
     return 0

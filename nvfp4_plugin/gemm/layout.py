@@ -59,7 +59,8 @@ from ..weights import Nvfp4Weight
 #: Rows per weight atom (one warpgroup's wgmma M) and K per atom.
 ATOM_N = 64
 ATOM_K = 64
-#: N is padded to this (the largest weight tile any config uses), K to :data:`ATOM_K`.
+#: N is padded to this (the widest weight tile every shape can use; ``bn=256`` shared-memory tiles
+#: apply only where the padded N is a multiple of 256, checked at launch), K to :data:`ATOM_K`.
 N_PAD_MULTIPLE = 128
 #: The decoded weight is ``e2m1 * s * 2**-SCALE_SHIFT``; the epilogue multiplies by ``2**SCALE_SHIFT / gs``.
 SCALE_SHIFT = 8

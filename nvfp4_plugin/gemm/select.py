@@ -39,7 +39,8 @@ KINDS = ("dense", "grouped", "masked")
 class W4Config:
     """One launch configuration of :func:`~.triton_w4.w4_gemm_kernel`.
 
-    bn: weight rows per program (32 (mma.sync, 2 warps), 64 or 128), bm: token rows per program
+    bn: weight rows per program (32 (mma.sync, 2 warps), 64 or 128; 256 with ss where the padded N is a
+    multiple of 256), bm: token rows per program
     (8 needs ``v2``), bk: K per pipeline stage (64, 128 or 256), split_k: programs sharing one output
     tile along K (dense only), m_split: programs per (expert, N tile) in grouped/masked modes
     (0: heuristic), group_m: M tiles per raster group (dense, L2 reuse of the weight tiles),

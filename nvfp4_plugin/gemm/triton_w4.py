@@ -2,7 +2,8 @@
 
 One kernel body, ``y[m, n] = sum_k x[m, k] * (e2m1 * s)[n, k] * alpha[n]``, computed "swap AB":
 ``acc[n, m] = W_tile @ x_tile^T`` so the decoded weight is the tensor-core *A* operand and stays in
-registers (layout: :mod:`.layout`). x goes through shared memory (cp.async, pipelined by Triton with
+registers (layout: :mod:`.layout`); the ``SS`` variant for large token tiles instead stores the decoded
+tile to shared memory as the B operand of ``x_tile @ W_tile^T`` (see ``_mma_tile``). x goes through shared memory (cp.async, pipelined by Triton with
 ``num_stages``); the weight words and scale pairs too, then each thread decodes its own 16-byte
 vector in registers with 9 (bf16) / 11 (fp16) shift-and-mask instructions plus 4 multiplies per
 8 values (``_decode_asm``), into exactly the mma / wgmma A fragment.
