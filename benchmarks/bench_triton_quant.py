@@ -38,6 +38,7 @@ from nvfp4_plugin import reference as ref  # noqa: E402
 #: K tiles (max_block_k) are swept too.
 CONFIGS = [("4096/4w", dict(elems=4096, num_warps=4)), ("4096/4w order-k", dict(elems=4096, num_warps=4, order="k")),
            ("2048/4w", dict(elems=2048, num_warps=4)), ("8192/8w", dict(elems=8192, num_warps=8)),
+           ("8192/8w bk1024", dict(elems=8192, num_warps=8, max_block_k=1024)),
            ("8192/8w order-k bk1024", dict(elems=8192, num_warps=8, max_block_k=1024, order="k")),
            ("16384/8w order-k bk1024", dict(elems=16384, num_warps=8, max_block_k=1024, order="k")),
            ("4096/4w philox-7", dict(elems=4096, num_warps=4, philox_rounds=7))]

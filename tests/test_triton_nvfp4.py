@@ -259,6 +259,21 @@ def test_program_order_gives_the_same_bytes(order):
     assert same_bits(q, rq) and same_bits(s, rs)
     rmq, rms = ref.mxfp4_quantize(x)
     assert same_bits(mq, rmq) and same_bits(ms, rms)
+    from nvfp4_plugin.triton import staging
+
+    h = special_input(37, 256, torch.bfloat16, seed=6)
+    ids = torch.randint(0, 64, (37, 2), dtype=torch.int32)
+    wts = torch.rand(37, 2)
+
+    def outputs(device):
+        return (torch.empty(37, 128, dtype=torch.uint8, device=device), torch.empty(37, 4, dtype=torch.int32, device=device),
+                torch.empty(37, 2, dtype=torch.int64, device=device), torch.empty(37, 2, device=device))
+
+    got, want = outputs(DEV), outputs("cpu")
+    with rt.tile_override("*", elems=256, max_block_k=128, order=order):
+        staging.stage_deepseek_v4_mega_moe_inputs(h.to(DEV), wts.to(DEV), ids.to(DEV), *got)
+    ref.stage_deepseek_v4_mega_moe_inputs(h, wts, ids, *want)
+    assert all(same_bits(a, b) for a, b in zip(got, want))
 
 
 def test_program_order_is_validated():

@@ -27,7 +27,7 @@ _FORMATS = {
 }
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["seed", "n_m", "n_k"])
 def _mx_kernel(x_ptr, out_ptr, scale_ptr, M, K, stride_xm, stride_om, stride_sm, seed, n_m, n_k,
                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                FMT: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,

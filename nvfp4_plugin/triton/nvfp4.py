@@ -22,7 +22,7 @@ from . import _jit_numerics as jn
 from . import _runtime as rt
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["seed", "n_m", "n_k"])
 def _nvfp4_kernel(x_ptr, out_ptr, scale_ptr, gs_ptr, M, K, stride_xm, stride_om, stride_sm, m_cover, kb_cover,
                   k_tiles, seed, n_m, n_k, K_FAST: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FAKE: tl.constexpr, SWIZZLE: tl.constexpr,

@@ -21,7 +21,7 @@ from . import _jit_numerics as jn
 from . import _runtime as rt
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_m", "n_k"])
 def _stage_kernel(h_ptr, xq_ptr, xsf_ptr, ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, M, K, TOPK, n_m, n_k,
                   s_hm, s_hk, s_qm, s_qk, s_sfm, s_sfk, s_im, s_ik, s_wm, s_wk, s_iom, s_iok, s_wom, s_wok,
                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, HW_FP8: tl.constexpr,
