@@ -121,13 +121,8 @@ def _written_regs(text: str) -> set[int]:
     return set(range(int(m.group(1)), int(m.group(1)) + width))
 
 
-def rs_wgmma_hazards(sass: str) -> list[str] | None:
-    """Instructions of the wgmma main loop that write a register which an issued wgmma reads as its A
-    operand and may still be reading: in flight are the wgmma groups (closed by ``gsb0``) that no
-    ``WARPGROUP.DEPBAR.LE gsb0, N`` has retired yet, across the loop's back edge too (the body is
-    walked twice, the second walk from the state the first left). Any such write is undefined
-    behaviour (the register race of triton-lang/triton#9433). Returns None when the SASS has no loop
-    with register-A wgmmas."""
+def _wgmma_loop_body(sass: str) -> list[tuple[int, str]] | None:
+    """(address, instruction) of the innermost loop (a backward branch) that issues wgmmas, or None."""
     ins = _instructions(sass)
     loop = None
     for addr, text in ins:
@@ -138,7 +133,19 @@ def rs_wgmma_hazards(sass: str) -> list[str] | None:
                 loop = (lo, addr)
     if loop is None:
         return None
-    body = [(a, t) for a, t in ins if loop[0] <= a <= loop[1]]
+    return [(a, t) for a, t in ins if loop[0] <= a <= loop[1]]
+
+
+def rs_wgmma_hazards(sass: str) -> list[str] | None:
+    """Instructions of the wgmma main loop that write a register which an issued wgmma reads as its A
+    operand and may still be reading: in flight are the wgmma groups (closed by ``gsb0``) that no
+    ``WARPGROUP.DEPBAR.LE gsb0, N`` has retired yet, across the loop's back edge too (the body is
+    walked twice, the second walk from the state the first left). Any such write is undefined
+    behaviour (the register race of triton-lang/triton#9433). Returns None when the SASS has no loop
+    with register-A wgmmas."""
+    body = _wgmma_loop_body(sass)
+    if body is None:
+        return None
 
     def a_regs(t: str) -> set[int]:
         m = re.match(r"R(\d+)$", t.split(",")[1].strip())  # A operand: registers, or gdesc (shared memory)
@@ -170,17 +177,9 @@ def ss_store_hazards(sass: str) -> list[str] | None:
     retired every wgmma group, across the back edge too. The single decoded-tile buffer is rewritten
     each K step, so such a store would race with the wgmma reading it. Returns None when the loop has
     no wgmma reading shared memory for both operands, else the offending instructions."""
-    ins = _instructions(sass)
-    loop = None
-    for addr, text in ins:
-        m = re.search(r"BRA (0x[0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            lo = int(m.group(1), 16)
-            if any(t.startswith("HGMMA") for a, t in ins if lo <= a <= addr) and (loop is None or addr - lo < loop[1] - loop[0]):
-                loop = (lo, addr)
-    if loop is None:
+    body = _wgmma_loop_body(sass)
+    if body is None:
         return None
-    body = [(a, t) for a, t in ins if loop[0] <= a <= loop[1]]
     if not any(t.startswith("HGMMA") and "gdesc" in t.split(",")[1] for _, t in body):
         return None
     inflight, hits = False, []

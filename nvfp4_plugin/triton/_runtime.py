@@ -30,6 +30,11 @@ NUM_WARPS = 4
 _override: dict = {}
 
 
+def _overrides(kernel: str) -> dict:
+    """The launch choices set by :func:`tile_override` for ``kernel`` (else for ``"*"``), or {}."""
+    return _override.get(kernel) or _override.get("*") or {}
+
+
 def interpreting() -> bool:
     """True when our kernels were built for Triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
     from ._jit_numerics import INTERPRETED
@@ -87,13 +92,12 @@ def tile(kernel: str, k: int, block: int, *, min_block_k: int | None = None) -> 
     interp = interpreting()
     elems = INTERPRET_TILE_ELEMS if interp else TILE_ELEMS
     cap = INTERPRET_MAX_BLOCK_K if interp else MAX_BLOCK_K
-    ov = _override.get(kernel) or _override.get("*")
-    if ov:
-        elems = ov.get("elems", elems)
-        cap = ov.get("max_block_k", cap)
+    ov = _overrides(kernel)
+    elems = ov.get("elems", elems)
+    cap = ov.get("max_block_k", cap)
     bk = max(_pow2_divisor(k, cap), block, min_block_k or block)
     bm = max(1, elems // bk)
-    warps = (ov or {}).get("num_warps", NUM_WARPS)
+    warps = ov.get("num_warps", NUM_WARPS)
     return bm, bk, warps
 
 
@@ -155,7 +159,7 @@ def tile_grid(rows: int, cols: int, bm: int, bk: int, kernel: str = "*") -> tupl
     """(1-D grid, row blocks, K tiles, K-fastest) for a kernel that finds its tile with
     ``_jit_numerics.tile_ids``."""
     n_m, n_k = grid2(rows, cols, bm, bk)
-    ov = _override.get(kernel) or _override.get("*") or {}
+    ov = _overrides(kernel)
     order = ov.get("order", PROGRAM_ORDER)
     if order not in ("k", "m"):
         raise ValueError(f"order: expected 'k' or 'm', got {order!r}")
