@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import multiprocessing as mp
@@ -62,7 +63,8 @@ SMOKE = dict(dense_shapes=[(256, 256), (96, 208)], dense_m=[1, 16, 40], tokens=[
 # ----------------------------------------------------------------------------------------------
 
 def random_packed(lead: tuple, n: int, k: int, dtype=torch.bfloat16, device=None, seed=0) -> PackedW4Weight:
-    """A packed weight with random codes and realistic scales, built directly in the kernel layout."""
+    """A packed weight with random codes and realistic scales, built directly in the kernel layout:
+    one global scale per tensor (per expert), as checkpoints have (fused shards share it too)."""
     device = device or DEVICE
     g = torch.Generator(device=device).manual_seed(seed)
     lay = HopperW4Layout(dtype, n, k, lead)
@@ -73,9 +75,11 @@ def random_packed(lead: tuple, n: int, k: int, dtype=torch.bfloat16, device=None
     hi = torch.randint(168, 239, (e, lay.n_pad // 2, lay.scale_cols), generator=g, device=device)
     pair = lo | (hi << 8)
     scales = torch.where(pair >= 2**15, pair - 2**16, pair).to(torch.int16)
-    gs = torch.rand((e, n), generator=g, device=device) * 100 + 1000
+    gs = (torch.rand((e, 1), generator=g, device=device) * 100 + 1000).expand(e, n).contiguous()
     alpha = torch.zeros((e, lay.n_pad), device=device)
     alpha[:, :n] = 256.0 / gs
+    if not lead:
+        lay = dataclasses.replace(lay, alpha_const=float(alpha[0, 0]))
     empty = torch.zeros(0, dtype=torch.int64, device=device)
     return PackedW4Weight(lay, words, scales, alpha, gs, empty, torch.zeros((0, 8), dtype=torch.uint8, device=device))
 

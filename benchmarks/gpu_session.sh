@@ -5,7 +5,9 @@
 #   tests     every gpu-marked test (pytest -m gpu), or those in $GPU_TESTS
 #   pytest    all tests (any marker) of the files in $PYTEST_FILES, on the GPU
 #   sanitize  compute-sanitizer memcheck + racecheck over the compiled ops
-#   bench-quant / bench-triton / bench-gemm / tune-gemm / bench-quantize   the benchmark scripts
+#   bench-quant / bench-triton / bench-gemm / bench-quantize   the benchmark scripts
+#   tune-gemm tune_gemm.py into a copy of the package configs under $R/configs, used by the later steps
+#             ($TUNE_KINDS, default dense,grouped,masked; $TUNE_BUDGET_S, default 420)
 #   diag-gemm every tile shape against the reference on the shapes that exposed the wgmma race
 #   ncu       Nsight Compute profiles of the GEMM and Triton quant kernels where targets are missed
 #             (benchmarks/ncu_profile.py -> $R/ncu/summary.md)
@@ -36,7 +38,11 @@ for s in "$@"; do
     bench-quant) step bench-quant python3 benchmarks/bench_quant.py --out "$R" ;;
     bench-triton) step bench-triton python3 benchmarks/bench_triton_quant.py --out "$R/triton_quant_h200.md" ;;
     bench-gemm) step bench-gemm python3 benchmarks/bench_gemm.py --out "$R" ;;
-    tune-gemm) step tune-gemm python3 benchmarks/tune_gemm.py --out "$R" ;;
+    tune-gemm)  # tunes into a copy of the package configs under $R (comes back in the tarball; later steps use it)
+      mkdir -p "$R/configs"; cp nvfp4_plugin/gemm/configs/*.json "$R/configs/"
+      export NVFP4_PLUGIN_GEMM_CONFIG_DIR="$R/configs"
+      step tune-gemm python3 benchmarks/tune_gemm.py --out "$R" --budget-s "${TUNE_BUDGET_S:-420}" \
+        --kinds "${TUNE_KINDS:-dense,grouped,masked}" ;;
     ncu) step ncu python3 benchmarks/ncu_profile.py --out "$R/ncu" ;;
     bench-quantize) step bench-quantize python3 benchmarks/bench_quantize.py --out "$R/quantize_h200.md" --weight-only-too ;;
     *) echo "unknown step $s"; status=2 ;;

@@ -103,7 +103,7 @@ def dense_candidates(m: int, n: int, k: int) -> list[W4Config]:
                 for bk in (64, 128):
                     for stages in (3, 4):
                         cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=warps, num_stages=stages))
-        return cands + ss_candidates(n, (64, 128))
+        return cands + [W4Config(dequant_mm=True)] + ss_candidates(n, (64, 128))
     for bm in (128, 256):
         for bk in (64, 128):
             for stages in (3, 4):
@@ -355,7 +355,7 @@ def main(argv=None) -> int:
 
     log = []
     dev = gsel.device_key()
-    path = args.write or os.path.join(gsel.CONFIG_DIR, f"{dev}.json")
+    path = args.write or os.path.join(os.environ.get(gsel.ENV_CONFIG_DIR) or gsel.CONFIG_DIR, f"{dev}.json")
     if args.smoke and not args.write:
         path = os.path.join(args.out, f"{dev}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -420,6 +420,31 @@ def test_gpu_dense_shapes(m, n, k, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shards", [False, True], ids=["one_gs", "shard_gs"])
+@pytest.mark.parametrize("bias_dtype", [None, "act", torch.float32])
+def test_gpu_dequant_mm_epilogues(dtype, shards, bias_dtype):
+    """Every epilogue of the cuBLAS large-M path: one global scale (alpha and bias in the GEMM) or
+    per-shard scales (fp32 product, one scaling pass), with no / activation-dtype / fp32 bias, and w4a4."""
+    n, k, m = 384, 512, 600
+    w = make_weight((), n, k, seed=11)
+    if shards:
+        w = Nvfp4Weight.from_shards(w.packed, w.block_scale, [w.global_scale[0].item() * f for f in (1.0, 0.3, 3.0)],
+                                    [128, 192, 64])
+    p = prepack(w, dtype)
+    assert (p.layout.alpha_const is None) == shards
+    x = act((m, k), dtype, seed=12)
+    bias = None if bias_dtype is None else act((n,), dtype, seed=13).to(dtype if bias_dtype == "act" else bias_dtype)
+    cfg = W4Config(dequant_mm=True)
+    y = w4_linear(x, p, bias, config=cfg)
+    assert y.dtype == dtype and y.shape == (m, n)
+    assert ulp_error(y, dense_ref(x, w, bias), dtype, f"dequant_mm/{dtype}") <= 2
+    gs = nx.tensor_global_scale(x.float()).reshape(1)
+    y4 = w4_linear(x, p, bias, mode="w4a4", input_global_scale=gs, config=cfg)
+    assert ulp_error(y4, dense_ref(x, w, bias, mode="w4a4", gs=gs), dtype, f"dequant_mm_w4a4/{dtype}") <= 2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [W4Config(bn=128, bm=128, bk=64, num_warps=8, num_stages=4),
                                  W4Config(bn=128, bm=128, bk=64, num_warps=8, num_stages=3),
                                  W4Config(bn=128, bm=256, bk=64, num_warps=8, num_stages=3),

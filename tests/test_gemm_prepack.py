@@ -61,6 +61,20 @@ def test_prepack_of_quantized_weight_and_expert_view():
         assert torch.equal(ue.packed, w.packed[e]) and torch.equal(ue.global_scale, w.global_scale[e])
 
 
+def test_alpha_const_only_for_one_global_scale():
+    """The cuBLAS large-M path takes ``layout.alpha_const`` as its scalar alpha: set exactly when
+    every row of a dense weight shares the global scale, to the value of ``alpha``."""
+    gen = torch.Generator().manual_seed(2)
+    w = Nvfp4Weight.quantize(torch.randn(40, 64, generator=gen))
+    p = L.prepack(w)
+    assert p.layout.alpha_const == float(p.alpha[0, 0]) == float(2 ** L.SCALE_SHIFT / w.global_scale[0])
+    assert torch.all(p.alpha[0, :40] == p.layout.alpha_const)
+    shards = Nvfp4Weight.from_shards(w.packed, w.block_scale, [100.0, 300.0], [24, 16])
+    assert L.prepack(shards).layout.alpha_const is None
+    experts = L.prepack(Nvfp4Weight.quantize(torch.randn(2, 40, 64, generator=gen)))
+    assert experts.layout.alpha_const is None and experts.expert(0).layout.alpha_const is None
+
+
 def test_scale_codes_cover_every_e4m3_value():
     codes = L.encode_scale_codes(ALL_E4M3)
     assert torch.equal(L.decode_scale_codes(codes).view(torch.uint8), ALL_E4M3.view(torch.uint8))

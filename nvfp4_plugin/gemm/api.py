@@ -167,20 +167,37 @@ def w4_dequantize(weight: PackedW4Weight, *, apply_alpha: bool = False, act_scal
 
 def _dequant_mm(x2: torch.Tensor, weight: PackedW4Weight, bias, act_scale) -> torch.Tensor:
     """Large-M path: dequantize the exactly representable part of the weight once
-    (``e2m1 * s * 2**-8``, no rounding), let cuBLAS accumulate the product into fp32, then apply the
-    per-row ``2**8 / gs`` (and the activation scale) and round once, like the fused kernels."""
+    (``e2m1 * s * 2**-8``, no rounding), let cuBLAS accumulate the product in fp32, apply the
+    per-row ``2**8 / gs`` (and the activation scale) and the bias, and round once, like the fused kernels.
+
+    One global scale (``layout.alpha_const``) and a bias of the activation dtype: all of it in one
+    cuBLAS call (``alpha * acc + bias`` in its fp32 epilogue). Otherwise the fp32 product is scaled and
+    rounded by one more pass, never through an fp32 copy per step (the output is 4 bytes per element).
+    """
     lay = weight.layout
     w = w4_dequantize(weight).reshape(lay.n, lay.k)
-    if x2.is_cuda:
-        y = torch.mm(x2, w.t(), out_dtype=torch.float32)
-    else:
-        y = x2.float() @ w.float().t()
-    y = y * weight.alpha.reshape(-1)[: lay.n]
+    if not x2.is_cuda:
+        y = x2.float() @ w.float().t() * weight.alpha.reshape(-1)[: lay.n]
+        if act_scale is not None:
+            y = y * act_scale[0]
+        return (y + bias.float() if bias is not None else y).to(x2.dtype)
+    alpha = lay.alpha_const
+    if alpha is not None and act_scale is None and (bias is None or bias.dtype == x2.dtype):
+        if bias is None:
+            y = torch.empty((x2.shape[0], lay.n), dtype=x2.dtype, device=x2.device)
+            return torch.addmm(y, x2, w.t(), beta=0, alpha=alpha, out=y)
+        return torch.addmm(bias, x2, w.t(), alpha=alpha)
+    y = torch.mm(x2, w.t(), out_dtype=torch.float32)
+    row = weight.alpha.reshape(-1)[: lay.n]
     if act_scale is not None:
-        y = y * act_scale[0]
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x2.dtype)
+        y.mul_(row).mul_(act_scale[0])          # the fused kernels' order: (acc * alpha) * act_scale
+        row = None
+    out = torch.empty(y.shape, dtype=x2.dtype, device=x2.device)
+    if bias is None:
+        return torch.mul(y, row, out=out) if row is not None else out.copy_(y)
+    if row is None:
+        return torch.add(y, bias.float(), out=out)
+    return torch.addcmul(bias.float(), y, row, out=out)
 
 
 # ----------------------------------------------------------------------------------------------

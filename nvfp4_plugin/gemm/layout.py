@@ -49,7 +49,7 @@ otherwise.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -120,6 +120,9 @@ class HopperW4Layout:
     k: int                        # logical input features (multiple of 16)
     lead_shape: tuple = ()        # e.g. (E,) for MoE experts
     name: str = "hopper_w4_swapab_v1"
+    #: ``alpha`` of every row when a dense weight has one global scale (else None), read once at pack
+    #: time: the cuBLAS large-M path applies it as the GEMM's host-side alpha, without a sync per call.
+    alpha_const: float | None = None
 
     @property
     def n_pad(self) -> int:
@@ -312,6 +315,8 @@ def prepack(weight: Nvfp4Weight, act_dtype: torch.dtype = torch.bfloat16) -> Pac
         scales[ex, :, :pair.shape[1]] = torch.where(pair >= 2**15, pair - 2**16, pair).to(torch.int16)
     alpha = torch.zeros((num_e, n_pad), dtype=torch.float32, device=dev)
     alpha[:, :n] = float(2 ** SCALE_SHIFT) / gs
+    if not lay.lead_shape and bool((gs == gs[0, 0]).all()):
+        lay = replace(lay, alpha_const=float(alpha[0, 0]))
     zb_t = torch.cat(zero_blocks) if zero_blocks else torch.zeros(0, dtype=torch.int64, device=dev)
     zc_t = torch.cat(zero_codes) if zero_codes else torch.zeros((0, 8), dtype=torch.uint8, device=dev)
     return PackedW4Weight(lay, words, scales, alpha, gs.contiguous(), zb_t, zc_t)
