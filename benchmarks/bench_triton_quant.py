@@ -46,8 +46,15 @@ TARGET_DET, TARGET_SR = 0.70, 0.50
 DEVICE = "cuda"  # "cpu" only for --smoke-cpu (Triton interpreter, tiny shapes, wall-clock timing)
 
 
-def median_ms(fn, inputs, iters: int, warmup: int = 3) -> float:
-    """Median of per-call CUDA-event times, cycling through ``inputs``."""
+def median_ms(fn, inputs, iters: int, warmup: int = 3, graph: bool = True) -> float:
+    """Per-call kernel time in ms, cycling through ``inputs``.
+
+    GPU: median over ``iters`` replays of a CUDA graph of ``2 * len(inputs)`` calls, divided by the
+    calls: the device time of the kernels, as an engine that replays graphs sees it. Timing each
+    eager call with events instead also counts the Python launch path whenever it is longer than the
+    kernel (the queue runs dry), which made 60 us kernels read as 100-190 us. ``graph=False`` (or an
+    op that cannot be captured) times eager calls with events.
+    """
     for i in range(warmup):
         fn(inputs[i % len(inputs)])
     if DEVICE == "cpu":
@@ -58,6 +65,29 @@ def median_ms(fn, inputs, iters: int, warmup: int = 3) -> float:
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
     torch.cuda.synchronize()
+    if graph:
+        calls = 2 * len(inputs)
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g):
+                for i in range(calls):
+                    fn(inputs[i % len(inputs)])
+        except Exception as exc:  # an op that syncs or allocates on the host side: eager timing below
+            print(f"  (not capturable: {type(exc).__name__}: {str(exc)[:120]}; timing eager calls)", flush=True)
+            del g
+            torch.cuda.synchronize()
+        else:
+            g.replay()
+            events = []
+            for _ in range(iters):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                g.replay()
+                end.record()
+                events.append((start, end))
+            torch.cuda.synchronize()
+            del g
+            return statistics.median(s.elapsed_time(e) for s, e in events) / calls
     events = []
     for i in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -74,7 +104,9 @@ def copy_bandwidth(iters: int) -> float:
     n = 1 << 29 if DEVICE == "cuda" else 1 << 20  # 1 GiB of bf16 per buffer
     src = [torch.empty(n, dtype=torch.bfloat16, device=DEVICE).normal_() for _ in range(2)]
     dst = torch.empty_like(src[0])
-    ms = median_ms(lambda s: dst.copy_(s), src, iters)
+    # eager: captured in a graph, copy_ becomes a memcpy node (copy engine, ~2.8 TB/s), not the SM copy kernel;
+    # a 1 GiB copy is long enough that the launch path does not show
+    ms = median_ms(lambda s: dst.copy_(s), src, iters, graph=False)
     del src, dst
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -199,7 +231,7 @@ def main(argv=None) -> int:
             out_t = tuple(t.clone() for t in out_t) if isinstance(out_t, tuple) else out_t.clone()
             out_r = ref_fn(x)
             row["bytes_equal_reference"] = same_bytes(out_t, out_r)
-            row["ref_ms"] = median_ms(ref_fn, inputs, args.ref_iters, warmup=1)
+            row["ref_ms"] = median_ms(ref_fn, inputs, args.ref_iters, warmup=1, graph=False)
             del out_t, out_r
         rows.append(row)
         tgt = "" if target is None else f" (target {target:.0%}: {'ok' if row['best_share'] >= target else 'MISS'})"
@@ -217,7 +249,7 @@ def main(argv=None) -> int:
         f"# Triton quantization kernels, {gpu}",
         "",
         f"`{cmd}` on {when}; torch {torch.__version__}, triton {triton.__version__}, python "
-        f"{platform.python_version()}. M={m}, K={k}, bf16 input; median of {args.iters} calls over 3 rotating "
+        f"{platform.python_version()}. M={m}, K={k}, bf16 input; median of {args.iters} CUDA-graph replays of 6 calls over 3 rotating "
         f"inputs (3 x {m * k * 2 / 1e6:.0f} MB > 60 MB L2). Effective bandwidth = bytes read + written, each once. "
         f"Device copy (1 GiB, read + write): **{copy_bw / 1e12:.3f} TB/s**.",
         "",
