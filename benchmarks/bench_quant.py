@@ -38,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import device_copy_bandwidth  # noqa: E402
+from benchmarks.common import device_copy_bandwidth, time_any, time_eager  # noqa: E402
 from nvfp4_plugin import _ext  # noqa: E402
 from nvfp4_plugin import numerics as nx  # noqa: E402
 from nvfp4_plugin import reference as ref  # noqa: E402
@@ -191,56 +191,6 @@ def reference_fn(op: str):
 # ------------------------------------------------------------------------------------------------
 # Timing
 # ------------------------------------------------------------------------------------------------
-
-def time_graph(fn, args_list, min_ms: float = 30.0) -> float:
-    """Seconds per call: a CUDA graph of one call per argument tuple, replayed until min_ms passed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for a in args_list[:2]:
-            fn(*a)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for a in args_list:
-            fn(*a)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    one = start.elapsed_time(end)
-    reps = max(3, min(1000, int(min_ms / max(one, 1e-3))))
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    del graph
-    return start.elapsed_time(end) / 1e3 / (reps * len(args_list))
-
-
-def time_eager(fn, args_list, iters: int = 3) -> float:
-    fn(*args_list[0])
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(iters):
-        fn(*args_list[i % len(args_list)])
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
-
-
-def time_any(fn, args_list) -> tuple[float, str]:
-    try:
-        return time_graph(fn, args_list), "graph"
-    except Exception:  # a peer that cannot be captured: eager timing (includes launch overhead)
-        torch.cuda.synchronize()
-        return time_eager(fn, args_list, iters=20), "eager"
-
 
 def copy_bandwidth() -> float:
     """Device copy ceiling, bytes read + written per second (benchmarks/common.py)."""

@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from benchmarks.common import time_any, time_eager  # noqa: E402
 from nvfp4_plugin import numerics as nx  # noqa: E402
 from nvfp4_plugin import reference as ref  # noqa: E402
 
@@ -47,13 +48,12 @@ DEVICE = "cuda"  # "cpu" only for --smoke-cpu (Triton interpreter, tiny shapes, 
 
 
 def median_ms(fn, inputs, iters: int, warmup: int = 3, graph: bool = True) -> float:
-    """Per-call kernel time in ms, cycling through ``inputs``.
+    """Per-call time in ms of ``fn`` cycling through ``inputs`` (twice per round).
 
-    GPU: median over ``iters`` replays of a CUDA graph of ``2 * len(inputs)`` calls, divided by the
-    calls: the device time of the kernels, as an engine that replays graphs sees it. Timing each
-    eager call with events instead also counts the Python launch path whenever it is longer than the
-    kernel (the queue runs dry), which made 60 us kernels read as 100-190 us. ``graph=False`` (or an
-    op that cannot be captured) times eager calls with events.
+    GPU: the device time of a CUDA graph of the calls (``benchmarks/common.time_any``), as an engine
+    that replays graphs sees it. Timing eager calls also counts the Python launch path whenever it is
+    longer than the kernel (the queue runs dry), which made 60 us kernels read as 100-190 us.
+    ``graph=False`` (or an op that cannot be captured) times ``iters`` eager calls back to back.
     """
     for i in range(warmup):
         fn(inputs[i % len(inputs)])
@@ -64,40 +64,13 @@ def median_ms(fn, inputs, iters: int, warmup: int = 3, graph: bool = True) -> fl
             fn(inputs[i % len(inputs)])
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
-    torch.cuda.synchronize()
-    if graph:
-        calls = 2 * len(inputs)
-        g = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(g):
-                for i in range(calls):
-                    fn(inputs[i % len(inputs)])
-        except Exception as exc:  # an op that syncs or allocates on the host side: eager timing below
-            print(f"  (not capturable: {type(exc).__name__}: {str(exc)[:120]}; timing eager calls)", flush=True)
-            del g
-            torch.cuda.synchronize()
-        else:
-            g.replay()
-            events = []
-            for _ in range(iters):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                g.replay()
-                end.record()
-                events.append((start, end))
-            torch.cuda.synchronize()
-            del g
-            return statistics.median(s.elapsed_time(e) for s, e in events) / calls
-    events = []
-    for i in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        x = inputs[i % len(inputs)]
-        start.record()
-        fn(x)
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    args = [(x,) for x in inputs] * 2
+    if not graph:
+        return time_eager(fn, args, iters=iters) * 1e3
+    sec, how = time_any(fn, args)
+    if how != "graph":
+        print("  (not capturable: timed eager calls)", flush=True)
+    return sec * 1e3
 
 
 def copy_bandwidth(iters: int) -> float:
@@ -249,7 +222,7 @@ def main(argv=None) -> int:
         f"# Triton quantization kernels, {gpu}",
         "",
         f"`{cmd}` on {when}; torch {torch.__version__}, triton {triton.__version__}, python "
-        f"{platform.python_version()}. M={m}, K={k}, bf16 input; median of {args.iters} CUDA-graph replays of 6 calls over 3 rotating "
+        f"{platform.python_version()}. M={m}, K={k}, bf16 input; CUDA-graph replays (at least 30 ms) of 6 calls over 3 rotating "
         f"inputs (3 x {m * k * 2 / 1e6:.0f} MB > 60 MB L2). Effective bandwidth = bytes read + written, each once. "
         f"Device copy (1 GiB, read + write): **{copy_bw / 1e12:.3f} TB/s**.",
         "",

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 import bench_gemm as bg  # noqa: E402
 
-from nvfp4_plugin.gemm import W4Config, w4_dequantize, w4_grouped, w4_linear, w4_masked  # noqa: E402
+from nvfp4_plugin.gemm import HopperW4Layout, W4Config, w4_dequantize, w4_grouped, w4_linear, w4_masked  # noqa: E402
 from nvfp4_plugin.gemm import select as gsel  # noqa: E402
 
 DENSE_BUCKETS = [1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
@@ -120,7 +120,7 @@ def ss_candidates(n: int, bms, m_split=(0,)) -> list[W4Config]:
     padded N is a multiple of 256 (the kernel's weight loads are unmasked along N), and not with
     bm=256 (a 256x256 fp32 accumulator does not fit in registers)."""
     cands = []
-    wide = (-(-n // 128) * 128) % 256 == 0
+    wide = HopperW4Layout(torch.bfloat16, n, 64).n_pad % 256 == 0
     for bm in bms:
         for bn in (128, 256) if wide and bm < 256 else (128,):
             for bk in (64, 128):
