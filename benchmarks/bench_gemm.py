@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from nvfp4_plugin.gemm import api as gapi  # noqa: E402
 from nvfp4_plugin.gemm import W4Config, select_config, w4_dequantize, w4_grouped, w4_linear, w4_masked  # noqa: E402
 from nvfp4_plugin.gemm.layout import HopperW4Layout, PackedW4Weight  # noqa: E402
 
@@ -378,7 +379,7 @@ def bench_dense(copy_bw: float, with_marlin: bool, ms=DENSE_M, shapes=DENSE_SHAP
         marlin, why = (marlin_or_reason(p0) if with_marlin else (None, "not requested"))
         for m in ms:
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-            cfg = select_config("dense", m, n, k)
+            cfg = select_config("dense", m, n, k, allow_cuda=gapi.use_cuda_decode(m, x.device))
             ours = [lambda p=p: w4_linear(x, p) for p in packs]
             base = [lambda w=w: torch.mm(x, w.t()) for w in w16s]
             err = rel_err(w4_linear(x, p0), torch.mm(x, w16.t()))
@@ -386,7 +387,11 @@ def bench_dense(copy_bw: float, with_marlin: bool, ms=DENSE_M, shapes=DENSE_SHAP
             t_base = graph_time(base)
             row = dict(N=n, K=k, M=m, ours_us=t_ours * 1e6, cublas_us=t_base * 1e6, speedup=t_base / t_ours,
                        weight_TBps=nbytes / t_ours / 1e12, frac_copy_bw=nbytes / t_ours / copy_bw,
-                       rel_err_vs_bf16=err, config=cfg.to_json())
+                       rel_err_vs_bf16=err, config=cfg.to_json(),
+                       kernel="cuda" if cfg.cuda else ("cuBLAS" if cfg.dequant_mm else "triton"))
+            if cfg.cuda:      # the Triton kernel this replaces, in the same run
+                tcfg = select_config("dense", m, n, k)
+                row.update(triton_us=graph_time([lambda p=p: w4_linear(x, p, config=tcfg) for p in packs]) * 1e6)
             if marlin is not None:
                 try:
                     t_m = graph_time([lambda: marlin(x)])
@@ -506,7 +511,8 @@ def markdown(meta, dense, grouped, masked) -> str:
         s += "## Dense (vs torch.mm bf16, cuBLAS)\n\n" + _md_table(dense, [
             ("N", "N"), ("K", "K"), ("M", "M"), ("ours us", "ours_us"), ("cuBLAS us", "cublas_us"),
             ("speedup", "speedup"), ("weight TB/s", "weight_TBps"), ("of copy BW", "frac_copy_bw"),
-            ("Marlin us", "marlin_us"), ("vs Marlin", "speedup_vs_marlin")]) + "\n"
+            ("kernel", "kernel"), ("Triton us", "triton_us"), ("Marlin us", "marlin_us"),
+            ("vs Marlin", "speedup_vs_marlin")]) + "\n"
     if grouped:
         s += "## Grouped by expert offsets (vs torch._grouped_mm bf16, same routing)\n\n" + _md_table(grouped, [
             ("model", "model"), ("proj", "proj"), ("N", "N"), ("K", "K"), ("tokens", "tokens"),
@@ -550,6 +556,8 @@ def make_plan(args) -> dict:
     else:
         plan = dict(dense_shapes=DENSE_SHAPES, dense_m=DENSE_M, models=list(MOE_MODELS), tokens=MOE_TOKENS,
                     max_m=MASKED_MAX_M)
+    if args.dense_m:
+        plan["dense_m"] = [int(v) for v in args.dense_m.split(",")]
     if args.skip_dense:
         plan["dense_shapes"] = []
     if args.skip_grouped:
@@ -566,6 +574,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-grouped", action="store_true")
     ap.add_argument("--skip-masked", action="store_true")
     ap.add_argument("--no-marlin", action="store_true")
+    ap.add_argument("--dense-m", default=None, help="comma-separated dense M values (default: the issue's)")
     ap.add_argument("--no-precompile", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs on the CPU interpreter too): checks the script")
     args = ap.parse_args(argv)

@@ -7,10 +7,12 @@
 #   sanitize  compute-sanitizer memcheck + racecheck over the compiled ops
 #   bench-quant / bench-triton / bench-gemm / bench-quantize   the benchmark scripts
 #   tune-gemm tune_gemm.py into a copy of the package configs under $R/configs, used by the later steps
-#             ($TUNE_KINDS, default dense,grouped,masked; $TUNE_BUDGET_S, default 420)
+#             ($TUNE_KINDS, default dense,grouped,masked; $TUNE_BUDGET_S, default 420; $TUNE_ARGS more
+#             tune_gemm.py options, e.g. --max-m 16)
+#   (bench-gemm takes more bench_gemm.py options from $BENCH_GEMM_ARGS, e.g. --skip-grouped)
 #   diag-gemm every tile shape against the reference on the shapes that exposed the wgmma race
 #   ncu       Nsight Compute profiles of the GEMM and Triton quant kernels where targets are missed
-#             (benchmarks/ncu_profile.py -> $R/ncu/summary.md)
+#             (benchmarks/ncu_profile.py -> $R/ncu/summary.md; $NCU_CASES: space-separated cases)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 R=/tmp/session; mkdir -p "$R"
@@ -37,13 +39,13 @@ for s in "$@"; do
     diag-gemm) step diag-gemm python3 benchmarks/diag_gemm_tiles.py ;;
     bench-quant) step bench-quant python3 benchmarks/bench_quant.py --out "$R" ;;
     bench-triton) step bench-triton python3 benchmarks/bench_triton_quant.py --out "$R/triton_quant_h200.md" ;;
-    bench-gemm) step bench-gemm python3 benchmarks/bench_gemm.py --out "$R" ;;
+    bench-gemm) step bench-gemm python3 benchmarks/bench_gemm.py --out "$R" ${BENCH_GEMM_ARGS:-} ;;
     tune-gemm)  # tunes into a copy of the package configs under $R (comes back in the tarball; later steps use it)
       mkdir -p "$R/configs"; cp nvfp4_plugin/gemm/configs/*.json "$R/configs/"
       export NVFP4_PLUGIN_GEMM_CONFIG_DIR="$R/configs"
       step tune-gemm python3 benchmarks/tune_gemm.py --out "$R" --budget-s "${TUNE_BUDGET_S:-420}" \
-        --kinds "${TUNE_KINDS:-dense,grouped,masked}" ;;
-    ncu) step ncu python3 benchmarks/ncu_profile.py --out "$R/ncu" ;;
+        --kinds "${TUNE_KINDS:-dense,grouped,masked}" ${TUNE_ARGS:-} ;;
+    ncu) step ncu python3 benchmarks/ncu_profile.py --out "$R/ncu" ${NCU_CASES:+--cases $NCU_CASES} ;;
     bench-quantize) step bench-quantize python3 benchmarks/bench_quantize.py --out "$R/quantize_h200.md" --weight-only-too ;;
     *) echo "unknown step $s"; status=2 ;;
   esac

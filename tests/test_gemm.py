@@ -511,6 +511,112 @@ def test_gpu_split_k_deterministic_and_graph_capturable():
     assert torch.equal(yg, y1)
 
 
+def test_cuda_decode_config_errors():
+    """config=W4Config(cuda=True) names why it cannot run: too many rows, or no compiled kernel here."""
+    w = make_weight((), 64, 64, seed=3)
+    p = prepack(w, torch.bfloat16)
+    with pytest.raises(ValueError, match="cuda=True serves 1..16 rows, got 17"):
+        w4_linear(act((17, 64), torch.bfloat16, seed=1), p, config=W4Config(cuda=True, bk=64, num_stages=4))
+    with pytest.raises(ValueError, match=r"\(bk, num_stages\) in .*got \(64, 5\)"):
+        W4Config(cuda=True, bk=64, num_stages=5)
+    if not ON_GPU:
+        with pytest.raises(ValueError, match="cannot run on cpu"):
+            w4_linear(act((1, 64), torch.bfloat16, seed=1), p, config=W4Config(cuda=True, bk=64, num_stages=4))
+
+
+def test_cuda_decode_config_splits():
+    for n, k in ((28672, 4096), (6144, 4096), (4096, 14336), (7168, 2048), (2048, 7168), (64, 16)):
+        cfg = gsel.cuda_decode_config(1, n, k, 132)
+        steps = -(-k // 64)
+        assert cfg.cuda and 1 <= cfg.split_k <= max(1, steps // 8), (n, k, cfg)
+
+
+def test_cuda_decode_split_fits_shared_memory():
+    """Splits are whole ring stages and are raised until the CTA's activations fit in shared memory."""
+    for m in (1, 8, 16):
+        for k in (64, 2048, 4096, 14336, 65536):
+            for bk, stages in gsel.CUDA_RINGS:
+                for split in (1, 3, 64):
+                    cfg = W4Config(cuda=True, split_k=split, bk=bk, num_stages=stages)
+                    per, n_split = gsel.cuda_decode_split(m, k, cfg)
+                    steps = -(-k // 64)
+                    sub = bk // 64
+                    asked = -(-(-(-steps // min(split, steps))) // sub) * sub    # steps per CTA asked for
+                    assert per % sub == 0 and per <= asked and n_split == -(-steps // per)
+                    assert gsel.cuda_decode_smem(m, per, bk, stages) <= gsel.CUDA_MAX_SMEM, (m, k, cfg, per)
+    # 16 rows of K=14336 do not fit in one CTA: at least 3 splits
+    assert gsel.cuda_decode_split(16, 14336, W4Config(cuda=True, bk=64, num_stages=4))[1] >= 3
+
+
+def _cuda_decode_ready():
+    from nvfp4_plugin.gemm import api
+    return api._cuda_decode_reason(DEV)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_decode_is_built_and_chosen():
+    """The GPU session builds the extension: the decode kernel must be there and serve <= 16 rows."""
+    from nvfp4_plugin.gemm import api
+    assert _cuda_decode_ready() is None
+    assert api.use_cuda_decode(16, DEV) and not api.use_cuda_decode(17, DEV)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(64, 16), (100, 208), (1000, 4112), (2048, 7168)])
+def test_gpu_cuda_decode(dtype, n, k):
+    """The compiled decode GEMM: row counts 1..16 (one or two 8-token mma tiles), every ring, K splits
+    (one, uneven, one step per CTA, zero-filled tails of the last split), biases of both dtypes, strided
+    and misaligned rows."""
+    w = make_weight((), n, k, seed=n + k)
+    p = prepack(w, dtype)
+    steps = -(-k // 64)
+    bias_act = act((n,), dtype, seed=3)
+    bias_f32 = act((n,), torch.float32, seed=4)
+    for m in (1, 2, 7, 8, 9, 16):
+        big = act((m, k + 32), dtype, seed=m)
+        for x in (big[:, :k].contiguous(), big[:, 16:k + 16], big[:, 1:k + 1]):   # last: not 4-byte aligned
+            y_ref = dense_ref(x, w)
+            for (bk, stages), split in zip(gsel.CUDA_RINGS * 2, (1, 3, steps, 7, 2, 5, 1, 4, 9, steps)):
+                cfg = W4Config(cuda=True, split_k=split, bk=bk, num_stages=stages)
+                assert ulp_error(w4_linear(x, p, config=cfg), y_ref, dtype, f"cuda_decode/{dtype}") <= 2, (m, cfg)
+            for bias in (bias_act, bias_f32):
+                cfg = W4Config(cuda=True, split_k=2, bk=64, num_stages=4)
+                y = w4_linear(x, p, bias, config=cfg)
+                assert ulp_error(y, dense_ref(x, w, bias), dtype, f"cuda_decode_bias/{dtype}") <= 2, (m, bias.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_cuda_decode_w4a4_shards_graph(dtype):
+    """w4a4 (activation scale in the epilogue), per-shard global scales, determinism over K splits,
+    CUDA-graph capture and replay, and a weight with zero-scale blocks."""
+    n, k = 384, 1024
+    w = make_weight((), n, k, seed=21)
+    bs = w.block_scale.clone()
+    bs.view(torch.uint8)[5, :3] = 0
+    w = Nvfp4Weight(w.packed, bs, w.global_scale)
+    ws = Nvfp4Weight.from_shards(w.packed, w.block_scale, [w.global_scale[0].item() * f for f in (1.0, 0.3, 3.0)],
+                                 [128, 192, 64])
+    for wt in (w, ws):
+        p = prepack(wt, dtype)
+        x = act((5, k), dtype, seed=22)
+        gs = nx.tensor_global_scale(x.float()).reshape(1)
+        y4 = w4_linear(x, p, mode="w4a4", input_global_scale=gs)
+        assert ulp_error(y4, dense_ref(x, wt, mode="w4a4", gs=gs), dtype, f"cuda_decode_w4a4/{dtype}") <= 2
+        cfg = W4Config(cuda=True, split_k=5, bk=256, num_stages=3)
+        y1 = w4_linear(x, p, config=cfg)
+        assert torch.equal(y1, w4_linear(x, p, config=cfg))
+        assert ulp_error(y1, dense_ref(x, wt), dtype, f"cuda_decode/{dtype}") <= 2
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            yg = w4_linear(x, p, config=cfg)
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(yg, y1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 16, 64, 300])
 def test_gpu_grouped_moe_shapes(tokens):
