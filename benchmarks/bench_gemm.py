@@ -39,7 +39,6 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from nvfp4_plugin.gemm import api as gapi  # noqa: E402
 from nvfp4_plugin.gemm import W4Config, select_config, w4_dequantize, w4_grouped, w4_linear, w4_masked  # noqa: E402
 from nvfp4_plugin.gemm.layout import HopperW4Layout, PackedW4Weight  # noqa: E402
 
@@ -379,7 +378,7 @@ def bench_dense(copy_bw: float, with_marlin: bool, ms=DENSE_M, shapes=DENSE_SHAP
         marlin, why = (marlin_or_reason(p0) if with_marlin else (None, "not requested"))
         for m in ms:
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-            cfg = select_config("dense", m, n, k, allow_cuda=gapi.use_cuda_decode(m, x.device))
+            cfg = select_config("dense", m, n, k)
             ours = [lambda p=p: w4_linear(x, p) for p in packs]
             base = [lambda w=w: torch.mm(x, w.t()) for w in w16s]
             err = rel_err(w4_linear(x, p0), torch.mm(x, w16.t()))
@@ -388,10 +387,7 @@ def bench_dense(copy_bw: float, with_marlin: bool, ms=DENSE_M, shapes=DENSE_SHAP
             row = dict(N=n, K=k, M=m, ours_us=t_ours * 1e6, cublas_us=t_base * 1e6, speedup=t_base / t_ours,
                        weight_TBps=nbytes / t_ours / 1e12, frac_copy_bw=nbytes / t_ours / copy_bw,
                        rel_err_vs_bf16=err, config=cfg.to_json(),
-                       kernel="cuda" if cfg.cuda else ("cuBLAS" if cfg.dequant_mm else "triton"))
-            if cfg.cuda:      # the Triton kernel this replaces, in the same run
-                tcfg = select_config("dense", m, n, k)
-                row.update(triton_us=graph_time([lambda p=p: w4_linear(x, p, config=tcfg) for p in packs]) * 1e6)
+                       kernel="cuBLAS" if cfg.dequant_mm else "triton")
             if marlin is not None:
                 try:
                     t_m = graph_time([lambda: marlin(x)])
@@ -511,7 +507,7 @@ def markdown(meta, dense, grouped, masked) -> str:
         s += "## Dense (vs torch.mm bf16, cuBLAS)\n\n" + _md_table(dense, [
             ("N", "N"), ("K", "K"), ("M", "M"), ("ours us", "ours_us"), ("cuBLAS us", "cublas_us"),
             ("speedup", "speedup"), ("weight TB/s", "weight_TBps"), ("of copy BW", "frac_copy_bw"),
-            ("kernel", "kernel"), ("Triton us", "triton_us"), ("Marlin us", "marlin_us"),
+            ("kernel", "kernel"), ("Marlin us", "marlin_us"),
             ("vs Marlin", "speedup_vs_marlin")]) + "\n"
     if grouped:
         s += "## Grouped by expert offsets (vs torch._grouped_mm bf16, same routing)\n\n" + _md_table(grouped, [

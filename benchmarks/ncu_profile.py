@@ -12,9 +12,8 @@ of a missed target: DRAM near peak means the kernel is bandwidth-bound (more byt
 necessary, or a low ceiling); low DRAM with high issue means it is instruction-bound; low both
 with long-scoreboard stalls means too few bytes are in flight (latency-bound).
 
-Cases are ``gemm:N:K:M`` (dense FP4-weight GEMM, selected config, ``gemm:N:K:M:ss`` for the
-tuner's best shared-memory wgmma candidate, ``gemm:N:K:M:cuda:SPLIT:BK:STAGES`` for the compiled decode
-kernel with that config) and ``triton:OP:M:K`` (Triton quantization kernels:
+Cases are ``gemm:N:K:M`` (dense FP4-weight GEMM, selected config, or ``gemm:N:K:M:ss`` for the
+tuner's best shared-memory wgmma candidate) and ``triton:OP:M:K`` (Triton quantization kernels:
 ``fp4``, ``mxfp4``, ``mxfp4fwd``).
 """
 
@@ -30,7 +29,7 @@ import sys
 DEFAULT_CASES = ["gemm:28672:4096:1", "gemm:28672:4096:16", "gemm:28672:4096:256", "gemm:28672:4096:4096",
                  "gemm:2048:7168:1", "gemm:28672:4096:256:ss", "gemm:28672:4096:4096:ss",
                  "triton:fp4:8192:7168", "triton:mxfp4:8192:7168", "triton:mxfp4fwd:8192:7168"]
-KERNEL = {"gemm": "regex:w4_gemm|w4_decode", "triton": "regex:_nvfp4_kernel|_mx_kernel"}
+KERNEL = {"gemm": "regex:w4_gemm", "triton": "regex:_nvfp4_kernel|_mx_kernel"}
 WARMUP = 3
 SECTIONS = ["SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "SchedulerStats", "WarpStateStats"]
 STALLS = "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"
@@ -55,9 +54,6 @@ def drive(case: str) -> None:
         p = bg.random_packed((), n, k, seed=1)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         cfg = None
-        if rest[3:4] == ["cuda"]:          # gemm:N:K:M:cuda:SPLIT:BK:STAGES, the compiled decode kernel
-            split, bk, stages = (int(v) for v in rest[4:7])
-            cfg = W4Config(cuda=True, split_k=split, bk=bk, num_stages=stages)
         if rest[3:] == ["ss"]:
             cfg = W4Config(bn=256 if n % 256 == 0 else 128, bm=128 if m <= 1024 else 256, bk=64, num_warps=8,
                            num_stages=3, ss=True)

@@ -80,21 +80,11 @@ def _streaming_space(bm: int, v2_choices, n_tiles_of, k: int, split: bool, m_spl
     return cands
 
 
-def cuda_candidates(n: int, k: int, sms: int = 132) -> list[W4Config]:
-    """The compiled decode kernel (<= 16 rows): K splits from one CTA per 64-row atom up to ~16 CTAs
-    per SM (each CTA keeping >= 4 K steps of 64), every ring depth."""
-    atoms, steps = math.ceil(n / 64), math.ceil(k / 64)
-    splits = [s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if s == 1 or (steps >= 4 * s and atoms * s <= 16 * sms)]
-    return [W4Config(cuda=True, split_k=s, bk=bk, num_stages=st) for s in splits for bk, st in gsel.CUDA_RINGS
-            if s == 1 or steps >= 2 * s * (bk // 64)]
-
-
 def dense_candidates(m: int, n: int, k: int) -> list[W4Config]:
-    cuda = cuda_candidates(n, k) if m <= gsel.CUDA_MAX_M else []
     if m <= 8:
-        return cuda + _streaming_space(8, (True,), lambda bn: math.ceil(n / bn), k, True)
+        return _streaming_space(8, (True,), lambda bn: math.ceil(n / bn), k, True)
     if m <= 16:
-        return cuda + _streaming_space(16, (False, True), lambda bn: math.ceil(n / bn), k, True)
+        return _streaming_space(16, (False, True), lambda bn: math.ceil(n / bn), k, True)
     cands = []
     if m <= 64:
         for bm in (32, 64):
@@ -359,7 +349,7 @@ def main(argv=None) -> int:
     for kind, spec, cands in probs:
         heur = gsel.heuristic(kind, spec["m"], spec["n"], spec["k"], spec.get("e", 1))
         for cfg in [heur] + cands:
-            if not (cfg.dequant_mm or cfg.cuda):      # nothing to compile
+            if not cfg.dequant_mm:
                 jobs.append(bg.Job.make(kind, spec["n"], spec["k"], spec.get("e", 1), spec["m"], cfg))
     print(f"[tune] {len(probs)} problems, {sum(len(c) for _, _, c in probs)} candidates", flush=True)
     cap = max(60.0, 0.5 * args.budget_s)

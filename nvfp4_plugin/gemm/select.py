@@ -46,10 +46,7 @@ class W4Config:
     (0: heuristic), group_m: M tiles per raster group (dense, L2 reuse of the weight tiles),
     v2: mma.sync instead of wgmma, ss: wgmma with both operands in shared memory (tokens as its M
     side, the decoded weight tile stored to shared memory; bm >= 64), dequant_mm: dense only,
-    dequantize the weight and call torch.mm (cuBLAS) instead (large M), cuda: dense only, <= 16 rows, the
-    compiled mma.sync weight-streaming kernel (``csrc/gemm/w4_decode.cu``) with ``split_k`` K splits and a
-    ``num_stages``-deep cp.async ring of ``bk``-wide K stages (the pairs in :data:`CUDA_RINGS`); the other
-    fields do not apply to it.
+    dequantize the weight and call torch.mm (cuBLAS) instead (large M).
     """
 
     bn: int = 64
@@ -63,12 +60,8 @@ class W4Config:
     group_m: int = 8
     dequant_mm: bool = False
     ss: bool = False
-    cuda: bool = False
 
     def __post_init__(self):
-        if self.cuda and (self.bk, self.num_stages) not in CUDA_RINGS:
-            raise ValueError(f"W4Config: the cuda kernel takes (bk, num_stages) in {CUDA_RINGS}, got "
-                             f"({self.bk}, {self.num_stages})")
         if self.bn not in (32, 64, 128) and not (self.ss and self.bn == 256):
             raise ValueError(f"W4Config.bn: expected 32, 64 or 128 (256 with ss), got {self.bn}")
         if self.bk not in (64, 128, 256):
@@ -99,43 +92,6 @@ class W4Config:
         if unknown:
             raise ValueError(f"W4Config: unknown keys {sorted(unknown)}")
         return cls(**d)
-
-
-#: (K per ring stage, ring depth) pairs the CUDA decode kernel is compiled for (csrc/gemm/w4_decode.cu
-#: launch_ring): 4-24 KB of weights in flight per CTA.
-CUDA_RINGS = ((64, 4), (64, 8), (128, 4), (256, 2), (256, 3))
-#: Dense rows up to which the CUDA decode kernel serves (csrc/gemm/w4_gemm.h kMaxDecodeM).
-CUDA_MAX_M = 16
-#: Dynamic shared memory one CTA of the CUDA decode kernel may use (w4_decode.cu kMaxSmemBytes).
-CUDA_MAX_SMEM = 227 * 1024 - 16
-
-
-def cuda_decode_smem(m: int, steps_per_split: int, bk: int, stages: int) -> int:
-    """Shared memory of one CUDA decode CTA: its weight ring (``stages`` x ``bk/64`` steps of 3 KB) and
-    its activations (``m`` rows of its K range plus a zero row; csrc/gemm/w4_decode.cu smem_bytes)."""
-    return stages * (bk // 64) * 128 * 24 + (m + 1) * (steps_per_split * 64 + 8) * 2
-
-
-def cuda_decode_split(m: int, k: int, cfg: "W4Config") -> tuple[int, int]:
-    """(64-wide K steps per CTA, K splits) for ``cfg``: ``cfg.split_k`` rounded to whole ring stages, and
-    raised until the CTA's activations fit in shared memory."""
-    steps, sub = -(-max(k, 1) // 64), cfg.bk // 64
-    split = max(1, min(cfg.split_k, steps))
-    while True:
-        per = -(-(-(-steps // split)) // sub) * sub
-        if cuda_decode_smem(m, per, cfg.bk, cfg.num_stages) <= CUDA_MAX_SMEM or per <= sub:
-            return per, -(-steps // per)
-        split += 1
-
-
-@functools.lru_cache(maxsize=1024)
-def cuda_decode_config(m: int, n: int, k: int, sms: int = 132) -> W4Config:
-    """CUDA decode kernel config: K splits so that about 4 CTAs (64 weight rows each) per SM stream
-    weights, each CTA keeping at least 8 steps of 64 K (the ring's fill is not free)."""
-    atoms = -(-max(n, 1) // 64)
-    steps = -(-k // 64)
-    split = max(1, min(-(-4 * sms // atoms), steps // 8 or 1))
-    return W4Config(cuda=True, split_k=split, bk=64, num_stages=4)
 
 
 DENSE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -214,16 +170,13 @@ def _split_k(n_tiles: int, k: int, bk: int, sms: int, target: float = 3.0, min_i
 DEQUANT_MM_MIN_M = 512
 
 
-def heuristic(kind: str, m: int, n: int, k: int, e: int = 1, sms: int = 132, allow_cuda: bool = False) -> W4Config:
+def heuristic(kind: str, m: int, n: int, k: int, e: int = 1, sms: int = 132) -> W4Config:
     """Reasoned defaults for H100/H200-class GPUs. ``m``: dense rows, routed rows (grouped) or max_m (masked).
 
-    Few rows per weight tile (decode) is a weight-streaming problem: the compiled CUDA kernel where
-    ``allow_cuda`` (dense, <= :data:`CUDA_MAX_M` rows), else 8-token mma.sync tiles, long K steps, deep
-    pipelines, and enough programs (split-K, narrower tiles) to keep ~3 per SM pulling bytes. Many rows
-    is a tensor-core problem: 64-128-token wgmma tiles, 2 warpgroups.
+    Few rows per weight tile (decode) is a weight-streaming problem: 8-token mma.sync tiles, long K
+    steps, deep pipelines, and enough programs (split-K, narrower tiles) to keep ~3 per SM pulling
+    bytes. Many rows is a tensor-core problem: 64-128-token wgmma tiles, 2 warpgroups.
     """
-    if kind == "dense" and allow_cuda and m <= CUDA_MAX_M:
-        return cuda_decode_config(m, n, k, sms)
     if kind == "dense" and m >= DEQUANT_MM_MIN_M:
         return W4Config(dequant_mm=True)
     bk = 256 if k % 256 == 0 else (128 if k % 128 == 0 else 64)
@@ -271,25 +224,19 @@ def safe(cfg: W4Config) -> W4Config:
 
 
 @functools.lru_cache(maxsize=4096)
-def _select_cached(kind: str, m: int, n: int, k: int, e: int, dev_key: str, sms: int, allow_cuda: bool) -> W4Config:
+def _select_cached(kind: str, m: int, n: int, k: int, e: int, dev_key: str, sms: int) -> W4Config:
     table = load_table(dev_key).get(kind, {})
     bucket_size = m
     cfg = _lookup(table.get(shape_key(kind, n, k, e), {}), bucket_size)
-    if cfg is not None and cfg.cuda and not (allow_cuda and m <= CUDA_MAX_M):
-        cfg = None       # tuned for the compiled kernel, which cannot serve this call: reason again
-    return safe(cfg if cfg is not None else heuristic(kind, m, n, k, e, sms, allow_cuda))
+    return safe(cfg if cfg is not None else heuristic(kind, m, n, k, e, sms))
 
 
-def select_config(kind: str, m: int, n: int, k: int, e: int = 1, device: torch.device | None = None,
-                  allow_cuda: bool = False) -> W4Config:
-    """The config for a ``kind`` (dense / grouped / masked) GEMM of this static shape.
-
-    ``allow_cuda``: the compiled decode kernel runs here (``gemm.api`` checks the extension), so tuned
-    ``cuda`` entries and the CUDA heuristic apply; otherwise only Triton / cuBLAS configs come back."""
+def select_config(kind: str, m: int, n: int, k: int, e: int = 1, device: torch.device | None = None) -> W4Config:
+    """The config for a ``kind`` (dense / grouped / masked) GEMM of this static shape."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     idx = device.index if device is not None and device.type == "cuda" else None
-    return _select_cached(kind, int(m), int(n), int(k), int(e), device_key(device), _num_sms(idx), bool(allow_cuda))
+    return _select_cached(kind, int(m), int(n), int(k), int(e), device_key(device), _num_sms(idx))
 
 
 def clear_cache() -> None:
