@@ -9,7 +9,7 @@
 #   tune-gemm tune_gemm.py into a copy of the package configs under $R/configs, used by the later steps
 #             ($TUNE_KINDS, default dense,grouped,masked; $TUNE_BUDGET_S, default 420; $TUNE_ARGS more
 #             tune_gemm.py options, e.g. --max-m 16)
-#   (bench-gemm takes more bench_gemm.py options from $BENCH_GEMM_ARGS, e.g. --skip-grouped)
+#   (bench-gemm / bench-quant take more options from $BENCH_GEMM_ARGS / $BENCH_QUANT_ARGS, e.g. --skip-grouped)
 #   diag-gemm every tile shape against the reference on the shapes that exposed the wgmma race
 #   ncu       Nsight Compute profiles of the GEMM and Triton quant kernels where targets are missed
 #             (benchmarks/ncu_profile.py -> $R/ncu/summary.md; $NCU_CASES: space-separated cases)
@@ -37,7 +37,7 @@ for s in "$@"; do
       step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py
       step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py ;;
     diag-gemm) step diag-gemm python3 benchmarks/diag_gemm_tiles.py ;;
-    bench-quant) step bench-quant python3 benchmarks/bench_quant.py --out "$R" ;;
+    bench-quant) step bench-quant python3 benchmarks/bench_quant.py --out "$R" ${BENCH_QUANT_ARGS:-} ;;
     bench-triton) step bench-triton python3 benchmarks/bench_triton_quant.py --out "$R/triton_quant_h200.md" ;;
     bench-gemm) step bench-gemm python3 benchmarks/bench_gemm.py --out "$R" ${BENCH_GEMM_ARGS:-} ;;
     tune-gemm)  # tunes into a copy of the package configs under $R (comes back in the tarball; later steps use it)

@@ -163,7 +163,9 @@ def test_no_subroutine_calls(sass, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_nvfp4_kernels_use_the_right_twin(sass, arch):
     kernels = _kernels(sass, "nvfp4_quant", arch, r"nvfp4_(dense|experts|masked)_kernel")
-    assert len(kernels) == 12 + 3 + 12 + 2  # + the bf16 SiLU-table variants of the masked kernel (zero_fill off/on)
+    # dense: 3 dtypes x swizzle x UE8M0 x row-group tiling; + the bf16 SiLU-table variants of the masked
+    # kernel (zero_fill off/on)
+    assert len(kernels) == 24 + 3 + 12 + 2
     for name, ins in kernels.items():
         e2m1 = [i for i in ins if i.startswith("F2FP") and "E2M1" in i]
         if arch == "sm_90a":
@@ -172,7 +174,7 @@ def test_nvfp4_kernels_use_the_right_twin(sass, arch):
             assert any(i.startswith("F2FP.SATFINITE.E2M1.F32") for i in e2m1), \
                 f"{name} ({arch}) lacks the hardware FP4 conversion"
         # the e4m3 block scale is the hardware conversion too (UE8M0 dense kernels have no e4m3)
-        if not re.search(r"nvfp4_dense_kernelI.*?Lb[01]ELb1E", name):
+        if not re.search(r"nvfp4_dense_kernelI(?:f|6__half|13__nv_bfloat16)Lb[01]ELb1E", name):
             assert any(i.startswith("F2FP.SATFINITE.E4M3") for i in ins), f"{name} ({arch}): no F2FP e4m3"
 
 

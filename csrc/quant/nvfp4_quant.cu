@@ -45,7 +45,16 @@ __device__ __forceinline__ uint32_t swz_row(uint32_t row, uint32_t kt) {
 // ------------------------------------------------------------------------------------------------
 // Dense: rows [0, m_pad) x block columns [0, kb_pad); padding rows / columns write a zero scale.
 // ------------------------------------------------------------------------------------------------
-template <typename T, bool SWIZZLE, bool UE8M0>
+// Dense tile: 32 block columns x one 8-row group per CTA step where K has at least 32 blocks (the GROUPS
+// kernel), else the generic row-block tile.
+constexpr int32_t kDenseGroupRows = 8;
+
+inline Tile make_dense_tile(int32_t kb_cols) {
+  if (kb_cols >= 32) return Tile{32, kDenseGroupRows};
+  return make_tile(kb_cols);
+}
+
+template <typename T, bool SWIZZLE, bool UE8M0, bool GROUPS>
 __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restrict__ in, const float* __restrict__ gsp,
                                                                uint8_t* __restrict__ out, uint8_t* __restrict__ sf,
                                                                int32_t m, int32_t m_pad, int32_t k, int32_t kb,
@@ -63,6 +72,29 @@ __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restri
   const uint32_t kt = uint32_t(kb_pad) >> 2;
   const uint32_t colpart = swz_col(uint32_t(col));
   const Slice rs = row_slice(uint32_t(m_pad), uint32_t(tile.rows));
+  if constexpr (GROUPS) {  // tile == make_dense_tile(): 32 columns x one 8-row group per step
+    // Row groups (make_dense_tile): warp ty of a CTA step quantizes one row of an 8-row group. In the
+    // swizzled layout the group is rows 2s, 2s+1, 2s+32, 2s+33, 2s+64, 2s+65, 2s+96, 2s+97 of a 128-row
+    // tile, whose scale bytes of 4 consecutive columns fill one 32-byte sector: every sector is written
+    // whole within one step, instead of by 8 row iterations far apart in time (partial sectors left in L2
+    // while hundreds of MB stream past cost DRAM read-modify-writes at large M).
+    const Slice gs_rows = row_slice(uint32_t(m_pad + kDenseGroupRows - 1) / kDenseGroupRows, 1);
+    const uint32_t sub = SWIZZLE ? (uint32_t(ty) & 1u) + 32u * (uint32_t(ty) >> 1) : uint32_t(ty);
+    for (uint32_t grp = gs_rows.begin; grp < gs_rows.end; ++grp) {
+      const uint32_t r = SWIZZLE ? 128u * (grp >> 4) + 2u * (grp & 15u) + sub : kDenseGroupRows * grp + sub;
+      if (r >= uint32_t(m_pad)) continue;
+      uint8_t s = 0;
+      if (r < uint32_t(m) && col < kb) {
+        s = quant_block_at<T, UE8M0>(in + int64_t(r) * k + col * 16, out + int64_t(r) * (k / 2) + col * 8, gs, os);
+      }
+      if (SWIZZLE) {
+        sf[swz_row(r, kt) + colpart] = s;
+      } else {
+        sf[int64_t(r) * kb + col] = s;
+      }
+    }
+    return;
+  }
   const uint32_t r0 = rs.begin + ty;
   const uint32_t r_in = min(rs.end, uint32_t(m));  // rows with input
   const int64_t step_in = int64_t(tile.rows) * k, step_out = int64_t(tile.rows) * (k / 2);
@@ -490,10 +522,12 @@ cudaError_t launch_dense(const void* input, const float* gs, uint8_t* out, uint8
   const int32_t kb_pad = SWIZZLE ? (kb + 3) / 4 * 4 : kb;
   const int64_t m_pad = SWIZZLE ? (m + 127) / 128 * 128 : m;
   if (uint64_t(m_pad) * uint64_t(kb_pad) > kMaxUnits) return cudaErrorInvalidValue;
-  auto kernel = nvfp4_dense_kernel<T, SWIZZLE, UE8M0>;
-  static const int per_sm = resident_ctas(kernel);
-  const Tile tile = make_tile(kb_pad);
-  const dim3 grid = tile_grid(tile, kb_pad, uint64_t(m_pad), 0, num_sms, per_sm);
+  const Tile tile = make_dense_tile(kb_pad);
+  const bool groups = tile.rows == kDenseGroupRows && tile.cols == 32;
+  auto kernel = groups ? nvfp4_dense_kernel<T, SWIZZLE, UE8M0, true> : nvfp4_dense_kernel<T, SWIZZLE, UE8M0, false>;
+  static const int per_sm_groups = resident_ctas(nvfp4_dense_kernel<T, SWIZZLE, UE8M0, true>);
+  static const int per_sm_rows = resident_ctas(nvfp4_dense_kernel<T, SWIZZLE, UE8M0, false>);
+  const dim3 grid = tile_grid(tile, kb_pad, uint64_t(m_pad), 0, num_sms, groups ? per_sm_groups : per_sm_rows);
   kernel<<<grid, tile_threads(tile), 0, stream>>>(static_cast<const T*>(input), gs, out, sf, int32_t(m),
                                                       int32_t(m_pad), int32_t(k), kb, kb_pad, tile);
   return cudaGetLastError();
