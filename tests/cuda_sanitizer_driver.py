@@ -49,6 +49,11 @@ def main() -> int:
             for swizzle in (True, False):
                 for fmt in ("e4m3", "ue8m0"):
                     ops.scaled_fp4_quant(x, gs, swizzle=swizzle, scale_format=fmt)
+    # an input of several L2 sizes: the swizzled kernel's 8-row-group tiling (csrc dense_uses_groups)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size or 50 << 20
+    x = torch.randn((3 * l2) // (1040 * 2) + 165, 1040, device="cuda").to(torch.bfloat16)
+    ops.scaled_fp4_quant(x, nx.tensor_global_scale(x).reshape(1), swizzle=True)
+    del x
     done.append("scaled_fp4_quant")
 
     for dtype in (torch.bfloat16, torch.float16):

@@ -112,6 +112,29 @@ def test_scaled_fp4_quant_degenerate_global_scales(cuda_ops, gs, scale_format):
         assert_same_bytes(s, s_ref, f"scales gs={gs} {dtype} {scale_format}")
 
 
+def _row_group_rows(k: int, elem: int) -> int:
+    """A row count (not a multiple of 128) whose input is past csrc dense_uses_groups' 3 x L2 threshold."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size or 50 << 20
+    return (3 * l2) // (k * elem) + 128 + 37
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scaled_fp4_quant_large_m_row_groups(cuda_ops, dtype):
+    """Inputs of several L2 sizes take the swizzled kernel's 8-row-group tiling: same bytes as the
+    reference, padding rows zeroed, both scale formats (K=2048: 128 block columns; K=1040: padding columns)."""
+    for k in (2048, 1040):
+        m = _row_group_rows(k, torch.empty((), dtype=dtype).element_size())
+        x = activations(m, k, dtype, seed=k)
+        gs = nx.tensor_global_scale(x).reshape(1)
+        for fmt in ("e4m3", "ue8m0"):
+            q, s = cuda_ops.scaled_fp4_quant(x, gs, swizzle=True, scale_format=fmt)
+            q_ref, s_ref = ref.scaled_fp4_quant(x, gs, swizzle=True, scale_format=fmt)
+            assert_same_bytes(q, q_ref, f"codes m={m} k={k} {dtype} {fmt}")
+            assert_same_bytes(s, s_ref, f"scales m={m} k={k} {dtype} {fmt}")
+        del x, q, s, q_ref, s_ref
+        torch.cuda.empty_cache()
+
+
 def test_scaled_fp4_quant_fp32_and_noncontiguous(cuda_ops):
     x = activations(300, 2048 + 64, torch.float32, seed=3)
     gs = nx.tensor_global_scale(x).reshape(1)
