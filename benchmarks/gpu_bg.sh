@@ -12,7 +12,7 @@ cmd="${1:-wait}"; shift || true
 if [ "$cmd" = start ]; then
   if [ -f "$BG/pid" ] && kill -0 "$(cat "$BG/pid")" 2>/dev/null; then echo "a run is already going"; exit 2; fi
   rm -rf "$BG"; mkdir -p "$BG/out"
-  OUT="$BG/out" setsid nohup bash -c 'bash benchmarks/gpu_session.sh "$@"; echo $? > /tmp/gpu_bg/rc' _ "$@" \
+  OUT="$BG/out" setsid nohup bash -c 'bash benchmarks/gpu_session.sh "${@:2}"; echo $? > "$1/rc"' _ "$BG" "$@" \
     > "$BG/console.log" 2>&1 < /dev/null &
   echo $! > "$BG/pid"
 elif [ "$cmd" != wait ]; then

@@ -163,9 +163,9 @@ def test_no_subroutine_calls(sass, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_nvfp4_kernels_use_the_right_twin(sass, arch):
     kernels = _kernels(sass, "nvfp4_quant", arch, r"nvfp4_(dense|experts|masked)_kernel")
-    # dense: 3 dtypes x swizzle x UE8M0 x row-group tiling; + the bf16 SiLU-table variants of the masked
-    # kernel (zero_fill off/on)
-    assert len(kernels) == 24 + 3 + 12 + 2
+    # dense: 3 dtypes x swizzle x UE8M0, + the row-group tiling of the swizzled ones; + the bf16 SiLU-table
+    # variants of the masked kernel (zero_fill off/on)
+    assert len(kernels) == 12 + 6 + 3 + 12 + 2
     for name, ins in kernels.items():
         e2m1 = [i for i in ins if i.startswith("F2FP") and "E2M1" in i]
         if arch == "sm_90a":

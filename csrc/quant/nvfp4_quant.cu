@@ -45,7 +45,7 @@ __device__ __forceinline__ uint32_t swz_row(uint32_t row, uint32_t kt) {
 // ------------------------------------------------------------------------------------------------
 // Dense: rows [0, m_pad) x block columns [0, kb_pad); padding rows / columns write a zero scale.
 // ------------------------------------------------------------------------------------------------
-// Dense tile of the GROUPS kernel: 32 block columns x one 8-row group per CTA step.
+// Dense tile of the GROUPS kernel (swizzled scales only): 32 block columns x one 8-row group per CTA step.
 constexpr int32_t kDenseGroupRows = 8;
 
 // L2 size of the current device (bytes; 50 MB if the query fails). Host-side attribute query, no sync.
@@ -62,11 +62,11 @@ inline int64_t l2_cache_bytes() {
 // a row-at-a-time CTA leaves half-written (H200, 2026-11-25: 32768x7168 bf16 61% -> 82% of copy,
 // 32768x4096 75% -> 81%), and for up to 1024 rows, where the 32-column tile's extra CTAs cut latency
 // (M=1..1024: 3-12% faster); in between (8192x2048/4096) the row-block tile keeps 3 points more.
-// The linear layout writes whole sectors either way.
-template <typename T, bool SWIZZLE>
+// The linear layout writes whole sectors either way and keeps the row-block tile.
+template <typename T>
 bool dense_uses_groups(int64_t m_pad, int64_t k, int32_t kb_pad) {
   static const int64_t l2 = l2_cache_bytes();
-  return SWIZZLE && kb_pad >= 32 && (m_pad <= 1024 || m_pad * k * int64_t(sizeof(T)) >= 3 * l2);
+  return kb_pad >= 32 && (m_pad <= 1024 || m_pad * k * int64_t(sizeof(T)) >= 3 * l2);
 }
 
 template <typename T, bool SWIZZLE, bool UE8M0, bool GROUPS>
@@ -87,26 +87,23 @@ __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restri
   const uint32_t kt = uint32_t(kb_pad) >> 2;
   const uint32_t colpart = swz_col(uint32_t(col));
   const Slice rs = row_slice(uint32_t(m_pad), uint32_t(tile.rows));
-  if constexpr (GROUPS) {  // tile = 32 columns x one 8-row group per step (dense_uses_groups)
-    // Row groups (dense_uses_groups): warp ty of a CTA step quantizes one row of an 8-row group. In the
-    // swizzled layout the group is rows 2s, 2s+1, 2s+32, 2s+33, 2s+64, 2s+65, 2s+96, 2s+97 of a 128-row
-    // tile, whose scale bytes of 4 consecutive columns fill one 32-byte sector: every sector is written
-    // whole within one step, instead of by 8 row iterations far apart in time (partial sectors left in L2
-    // while hundreds of MB stream past cost DRAM read-modify-writes at large M).
-    const Slice gs_rows = row_slice(uint32_t(m_pad + kDenseGroupRows - 1) / kDenseGroupRows, 1);
-    const uint32_t sub = SWIZZLE ? (uint32_t(ty) & 1u) + 32u * (uint32_t(ty) >> 1) : uint32_t(ty);
-    for (uint32_t grp = gs_rows.begin; grp < gs_rows.end; ++grp) {
-      const uint32_t r = SWIZZLE ? 128u * (grp >> 4) + 2u * (grp & 15u) + sub : kDenseGroupRows * grp + sub;
-      if (r >= uint32_t(m_pad)) continue;
+  if constexpr (GROUPS) {
+    // Row groups (dense_uses_groups; tile = 32 columns x 8 rows): warp ty of a CTA step quantizes one row of
+    // an 8-row group, rows 2s, 2s+1, 2s+32, 2s+33, 2s+64, 2s+65, 2s+96, 2s+97 of a 128-row tile, whose scale
+    // bytes of 4 consecutive columns fill one 32-byte sector: every sector is written whole within one
+    // step, instead of by 8 row iterations far apart in time (partial sectors left in L2 while hundreds of
+    // MB stream past cost DRAM read-modify-writes at large M). m_pad is a multiple of 128: every group row
+    // exists.
+    static_assert(SWIZZLE, "row groups only matter for the swizzled scale layout");
+    const Slice grp_rows = row_slice(uint32_t(m_pad) / kDenseGroupRows, 1);
+    const uint32_t sub = (uint32_t(ty) & 1u) + 32u * (uint32_t(ty) >> 1);
+    for (uint32_t grp = grp_rows.begin; grp < grp_rows.end; ++grp) {
+      const uint32_t r = 128u * (grp >> 4) + 2u * (grp & 15u) + sub;
       uint8_t s = 0;
       if (r < uint32_t(m) && col < kb) {
         s = quant_block_at<T, UE8M0>(in + int64_t(r) * k + col * 16, out + int64_t(r) * (k / 2) + col * 8, gs, os);
       }
-      if (SWIZZLE) {
-        sf[swz_row(r, kt) + colpart] = s;
-      } else {
-        sf[int64_t(r) * kb + col] = s;
-      }
+      sf[swz_row(r, kt) + colpart] = s;
     }
     return;
   }
@@ -537,12 +534,19 @@ cudaError_t launch_dense(const void* input, const float* gs, uint8_t* out, uint8
   const int32_t kb_pad = SWIZZLE ? (kb + 3) / 4 * 4 : kb;
   const int64_t m_pad = SWIZZLE ? (m + 127) / 128 * 128 : m;
   if (uint64_t(m_pad) * uint64_t(kb_pad) > kMaxUnits) return cudaErrorInvalidValue;
-  const bool groups = dense_uses_groups<T, SWIZZLE>(m_pad, k, kb_pad);
-  const Tile tile = groups ? Tile{32, kDenseGroupRows} : make_tile(kb_pad);
-  auto kernel = groups ? nvfp4_dense_kernel<T, SWIZZLE, UE8M0, true> : nvfp4_dense_kernel<T, SWIZZLE, UE8M0, false>;
-  static const int per_sm_groups = resident_ctas(nvfp4_dense_kernel<T, SWIZZLE, UE8M0, true>);
-  static const int per_sm_rows = resident_ctas(nvfp4_dense_kernel<T, SWIZZLE, UE8M0, false>);
-  const dim3 grid = tile_grid(tile, kb_pad, uint64_t(m_pad), 0, num_sms, groups ? per_sm_groups : per_sm_rows);
+  auto kernel = nvfp4_dense_kernel<T, SWIZZLE, UE8M0, false>;
+  static const int per_sm_rows = resident_ctas(kernel);
+  Tile tile = make_tile(kb_pad);
+  int per_sm = per_sm_rows;
+  if constexpr (SWIZZLE) {
+    if (dense_uses_groups<T>(m_pad, k, kb_pad)) {
+      kernel = nvfp4_dense_kernel<T, true, UE8M0, true>;
+      static const int per_sm_groups = resident_ctas(kernel);
+      tile = Tile{32, kDenseGroupRows};
+      per_sm = per_sm_groups;
+    }
+  }
+  const dim3 grid = tile_grid(tile, kb_pad, uint64_t(m_pad), 0, num_sms, per_sm);
   kernel<<<grid, tile_threads(tile), 0, stream>>>(static_cast<const T*>(input), gs, out, sf, int32_t(m),
                                                       int32_t(m_pad), int32_t(k), kb, kb_pad, tile);
   return cudaGetLastError();
