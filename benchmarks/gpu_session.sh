@@ -4,7 +4,8 @@
 #   build     build nvfp4_plugin._C for sm_90a in place (system torch)
 #   tests     every gpu-marked test (pytest -m gpu), or those in $GPU_TESTS
 #   pytest    all tests (any marker) of the files in $PYTEST_FILES, on the GPU
-#   sanitize  compute-sanitizer memcheck + racecheck over the compiled ops
+#   sanitize  compute-sanitizer memcheck + racecheck over the compiled ops, then over the Triton kernels
+#   sanitize-triton  the Triton part alone
 #   bench-quant / bench-triton / bench-gemm / bench-quantize   the benchmark scripts
 #   tune-gemm tune_gemm.py into a copy of the package configs under $R/configs, used by the later steps
 #             ($TUNE_KINDS, default dense,grouped,masked; $TUNE_BUDGET_S, default 420; $TUNE_ARGS more
@@ -27,6 +28,10 @@ step() {
   [ "$rc" -ne 0 ] && [ "$status" -eq 0 ] && status=$rc
   return 0
 }
+sanitize_triton() {
+  step memcheck-triton compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/triton_sanitizer_driver.py
+  step racecheck-triton compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/triton_sanitizer_driver.py
+}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$R/gpu.txt" 2>&1
 for s in "$@"; do
   case "$s" in
@@ -35,7 +40,9 @@ for s in "$@"; do
     pytest) NVFP4_PLUGIN_REQUIRE_EXT=1 step pytest python3 -m pytest -q -rs -p no:cacheprovider $PYTEST_FILES ;;
     sanitize)
       step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py
-      step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py ;;
+      step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py
+      sanitize_triton ;;
+    sanitize-triton) sanitize_triton ;;
     diag-gemm) step diag-gemm python3 benchmarks/diag_gemm_tiles.py ;;
     bench-quant) step bench-quant python3 benchmarks/bench_quant.py --out "$R" ${BENCH_QUANT_ARGS:-} ;;
     bench-triton) step bench-triton python3 benchmarks/bench_triton_quant.py --out "$R/triton_quant_h200.md" ;;

@@ -3,8 +3,10 @@
 The interpreter tests run the kernels' interpreter branches; this compiles the branches only a GPU
 runs (hardware FP8 conversion, round-toward-zero adds, NaN-ignoring ``max.f32``) through Triton's
 real pipeline down to PTX and SASS, and checks the numerics contract on the generated code: no
-flush-to-zero, no approximate division, no fused multiply-add contraction, IEEE ``div.rn.f32``
-where the recipe divides. Runs in a subprocess (the kernels must not be built for the
+flush-to-zero, no approximate division, no fused multiply-add contraction by the compiler, IEEE
+``div.rn.f32`` where the recipe divides. The one hand-written PTX block (the packed E2M1 encoder of
+``_jit_numerics.e2m1_words``) uses ``fma`` on purpose, as single-rounding operations; it is
+counted apart. Runs in a subprocess (the kernels must not be built for the
 interpreter, which other test modules of the same session switch on).
 """
 
@@ -24,7 +26,7 @@ if importlib.util.find_spec("triton") is None:
     skip_module("triton", "triton is not installed")
 
 SCRIPT = r'''
-import json, sys
+import json, re, sys
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
@@ -79,11 +81,14 @@ cases = [
         torch.empty(64, 8, dtype=torch.int32), torch.empty(64, 8, dtype=torch.int64), torch.empty(64, 8))),
 ]
 report = {}
+inline = re.compile(r"// begin inline asm(?:(?!// end inline asm).)*?mul\.sat\.f32.*?// end inline asm", re.S)
 for name, call in cases:
     compiled.clear()
     call()
     fn, kernel = compiled[-1]
     ptx = kernel.asm["ptx"]
+    asm = "".join(inline.findall(ptx))
+    ptx = inline.sub("", ptx)  # the compiler's own code; the hand-written E2M1 encoder is checked apart
     report[name] = {
         "kernel": fn,
         "ftz": ptx.count(".ftz"),
@@ -93,6 +98,9 @@ for name, call in cases:
         "add_rz": ptx.count("add.rz.f32"),
         "cvt_e4m3": ptx.count("e4m3x2.f32"),
         "cubin_bytes": len(kernel.asm["cubin"]),
+        "asm_e2m1": asm.count("mul.sat.f32"),
+        "asm_fma_rn": asm.count("fma.rn.f32"),
+        "asm_fma_rz": asm.count("fma.rz.f32"),
     }
 print(json.dumps(report))
 '''
@@ -114,6 +122,15 @@ def test_gpu_code_paths_compile_for_sm90_and_keep_ieee_semantics():
     for name in ("scaled_fp4_quant", "nvfp4_forward", "staging"):
         assert report[name]["div_rn"] > 0, name                # IEEE 1 / s and s / gs
         assert report[name]["cvt_e4m3"] > 0, name              # hardware E4M3 rounding of the scales
-    for name in ("nvfp4_forward_sr", "mxfp4_quantize_sr", "mxfp8_forward_e5m2_sr"):
+    for name in ("nvfp4_forward_sr", "mxfp8_forward_e5m2_sr"):
         assert report[name]["add_rz"] > 0, name                # exact floor(q + u) of the stochastic rounding
     assert report["mxfp8_quantize"]["cvt_e4m3"] > 0
+    # packed E2M1 output goes through the inline-PTX encoder: 8 values per block, each a saturating
+    # multiply and three single-rounding candidates (fma.rn; fma.rz + add.rz when stochastic)
+    # (the block appears once per word a thread packs)
+    for name in ("scaled_fp4_quant", "scaled_fp4_quant_ue8m0", "staging", "mxfp4_quantize_sr"):
+        r = report[name]
+        assert r["asm_e2m1"] > 0 and r["asm_e2m1"] % 8 == 0, (name, r)
+        assert r["asm_fma_rz" if name.endswith("_sr") else "asm_fma_rn"] == 3 * r["asm_e2m1"], (name, r)
+    for name in ("nvfp4_forward", "mxfp8_quantize", "mxfp4_forward_rceil"):
+        assert report[name]["asm_e2m1"] == 0, name  # no packed E2M1 there

@@ -141,3 +141,34 @@ def test_seed_none_draws_fresh_keys():
     a = mx.mxfp4_forward(x, True)
     torch.manual_seed(5)
     assert same_bits(a, mx.mxfp4_forward(x, True))  # seed=None follows torch's CPU generator
+
+
+@GPU
+@pytest.mark.parametrize("rounds", [10, 7])
+def test_philox_block_gives_the_bits_of_tl_randint4x(rounds):
+    """The compiled generator (inline PTX) is Triton's own Philox4x32, bit for bit, on the GPU."""
+    import triton
+    import triton.language as tl
+
+    from nvfp4_plugin.triton import _jit_numerics as jn
+
+    @triton.jit
+    def both(out_ptr, seed, N_ROUNDS: tl.constexpr):
+        i = tl.arange(0, 1024)
+        offs = i.to(tl.int64) * 2654435761 + (3 << 33)  # both 32-bit counter halves vary
+        a0, a1, a2, a3 = jn.philox4x32(seed, offs, N_ROUNDS, True)
+        b0, b1, b2, b3 = tl.randint4x(seed, offs, N_ROUNDS)
+        tl.store(out_ptr + i, a0.to(tl.int32, bitcast=True))
+        tl.store(out_ptr + 1024 + i, a1.to(tl.int32, bitcast=True))
+        tl.store(out_ptr + 2048 + i, a2.to(tl.int32, bitcast=True))
+        tl.store(out_ptr + 3072 + i, a3.to(tl.int32, bitcast=True))
+        tl.store(out_ptr + 4096 + i, b0.to(tl.int32, bitcast=True))
+        tl.store(out_ptr + 5120 + i, b1.to(tl.int32, bitcast=True))
+        tl.store(out_ptr + 6144 + i, b2.to(tl.int32, bitcast=True))
+        tl.store(out_ptr + 7168 + i, b3.to(tl.int32, bitcast=True))
+
+    out = torch.empty(8192, dtype=torch.int32, device="cuda")
+    for seed in (0, 12345, 2**40 + 7):
+        both[(1,)](out, seed, N_ROUNDS=rounds)
+        assert torch.equal(out[:4096], out[4096:])
+        assert out[:4096].unique().numel() > 4000  # and the words are not degenerate

@@ -81,12 +81,56 @@ def store_f32(ptrs, v, mask):
 
 @triton.jit
 def tile_ids(n_m, n_k, K_FAST: tl.constexpr):
-    """(row block, K tile) of this program in a 1-D grid of ``n_m * n_k`` (``_runtime.tile_grid``)."""
-    pid = tl.program_id(0)
+    """(row block, K tile) of this program in the 2-D grid of ``_runtime.tile_grid``: axis 0 is the
+    fast one (K tiles when ``K_FAST``, else row blocks), so no integer division is needed."""
     if K_FAST:
-        return pid // n_k, pid % n_k
+        return tl.program_id(1), tl.program_id(0)
     else:
-        return pid % n_m, pid // n_m
+        return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
+def block_cols(col0, NB: tl.constexpr, G: tl.constexpr, VEC: tl.constexpr):
+    """Columns ``[NB, 1, G * 8 / VEC, VEC]`` of a block tile: block ``b`` (``G * 8`` elements from
+    ``col0 + b * G * 8``), its ``VEC``-element slices (one 16-byte vector each: 8 of bf16/fp16, 4 of
+    fp32). :func:`load_block_tile` loads through them and reshapes to ``[NB, BM, G, 8]``.
+
+    The block axis comes first on purpose. Triton's coalescing gives the contiguous axis to each
+    thread as one vector and then spreads the lanes over the lowest-numbered remaining axis: here the
+    blocks, so each thread holds whole blocks (all their vectors; the rows of the tile come from the
+    warps). The block amax is then a reduction within the thread (no shuffle), each block's scale is
+    computed once (not once per thread that holds a piece of it), and a thread's 8 consecutive codes
+    make one 32-bit word of packed output.
+    """
+    b = tl.arange(0, NB)[:, None, None, None]
+    g = tl.arange(0, G * 8 // VEC)[None, None, :, None]
+    j = tl.arange(0, VEC)[None, None, None, :]
+    return col0 + b * (G * 8) + g * VEC + j
+
+
+@triton.jit
+def load_block_tile(x_ptr, rows64, row_ok, cols, K, stride_xm, stride_xk, G: tl.constexpr):
+    """The block tile ``[NB, BM, G, 8]`` (fp32) of rows ``rows64`` at columns ``cols`` (:func:`block_cols`);
+    masked lanes read 0."""
+    ptrs = x_ptr + rows64[None, :, None, None] * stride_xm + cols * stride_xk
+    x = load_f32(ptrs, row_ok[None, :, None, None] & (cols < K))
+    return tl.reshape(x, [cols.shape[0], rows64.shape[0], G, 8])
+
+
+@triton.jit
+def store_block_tile(out_ptr, y, rows64, row_ok, col0, K, stride_om, G: tl.constexpr):
+    """Store a block tile ``y [NB, BM, G, 8]`` (same dtype as ``out_ptr``, RNE) at columns ``col0 + ...``.
+
+    The pointers are built over ``[NB, BM, G * 8]`` so that Triton sees each block's ``G * 8`` contiguous
+    elements and coalesces the store (consecutive lanes on consecutive 16-byte vectors), moving the
+    values through shared memory. Stored in the tile's own layout instead, each warp store would
+    write half or a quarter of every 32-byte sector it touches: that cost the fake-quant kernels,
+    whose output is as large as their input, a quarter of their bandwidth.
+    """
+    NB: tl.constexpr = y.shape[0]
+    c = col0 + tl.arange(0, NB)[:, None, None] * (G * 8) + tl.arange(0, G * 8)[None, None, :]
+    y3 = tl.reshape(y, [NB, y.shape[1], G * 8])
+    store_f32(out_ptr + rows64[None, :, None] * stride_om + c, y3, row_ok[None, :, None] & (c < K))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,26 +255,28 @@ def grid_round(a, MBITS: tl.constexpr, EMIN_FIELD: tl.constexpr):
 
 
 @triton.jit
-def two_pow_23_plus_floor_sum(q, u, COMPILED: tl.constexpr):
-    """``2**23 + floor(q + u)`` exactly, for fp32 ``q`` in [0, 2**22) and ``u`` in (0, 1).
+def two_pow_23_plus_floor_sum(q, u1, COMPILED: tl.constexpr):
+    """``2**23 + floor(q + u1 - 1)`` exactly, for fp32 ``q`` in [0, 2**22) and ``u1 = 1 + u`` in (1, 2)
+    (:func:`uniform_blocks` gives ``u1``, whose bit pattern is the random bits under a fixed exponent).
 
-    Compiled: two round-toward-zero adds (RZ never carries ``q + u`` past an integer, and
-    ``RZ(s + 2**23)`` truncates ``s`` to an integer). Interpreter: the same in float64, exact.
+    Compiled: two round-toward-zero adds (RZ never carries ``q + u1`` past an integer, and
+    ``RZ(s + 2**23 - 1)`` for ``s >= 1`` truncates ``s`` to an integer). Interpreter: the same in
+    float64, exact.
     """
     if COMPILED:
-        return libdevice.add_rz(libdevice.add_rz(q, u), 8388608.0)
+        return libdevice.add_rz(libdevice.add_rz(q, u1), 8388607.0)
     else:
-        return (tl.floor(q.to(tl.float64) + u.to(tl.float64)) + 8388608.0).to(tl.float32)
+        return (tl.floor(q.to(tl.float64) + (u1.to(tl.float64) - 1.0)) + 8388608.0).to(tl.float32)
 
 
 @triton.jit
-def grid_round_stochastic(a, u, MBITS: tl.constexpr, EMIN_FIELD: tl.constexpr, COMPILED: tl.constexpr):
+def grid_round_stochastic(a, u1, MBITS: tl.constexpr, EMIN_FIELD: tl.constexpr, COMPILED: tl.constexpr):
     """Round magnitude ``a`` (grid max at most) down or up to a neighbouring grid point:
-    ``floor(a / spacing + u) * spacing``, up with probability ``(a - lo) / (hi - lo)`` for ``u``
+    ``floor(a / spacing + u) * spacing``, up with probability ``(a - lo) / (hi - lo)`` for ``u = u1 - 1``
     uniform in (0, 1). Grid points never move. All steps exact."""
     ge = tl.maximum(f32_bits(a) >> 23, EMIN_FIELD) - MBITS  # exponent field of the spacing
     q = a * bits_f32((254 - ge) << 23)  # a / spacing, exact
-    idx = two_pow_23_plus_floor_sum(q, u, COMPILED) - 8388608.0
+    idx = two_pow_23_plus_floor_sum(q, u1, COMPILED) - 8388608.0
     return idx * bits_f32(ge << 23)
 
 
@@ -248,22 +294,22 @@ def e2m1_code(a):
 
 
 @triton.jit
-def e2m1_code_stochastic(a, u, COMPILED: tl.constexpr):
-    """E2M1 code of ``a`` in [0, 6] rounded like :func:`grid_round_stochastic` (same choices for the same ``u``)."""
+def e2m1_code_stochastic(a, u1, COMPILED: tl.constexpr):
+    """E2M1 code of ``a`` in [0, 6] rounded like :func:`grid_round_stochastic` (same choices for the same ``u1``)."""
     m = tl.maximum(f32_bits(a) >> 23, 127)
     q = a * bits_f32((255 - m) << 23)  # a / spacing, exact (spacing 2**(m - 128))
-    return f32_bits(two_pow_23_plus_floor_sum(q, u, COMPILED)) - 0x4B000000 + (m << 1) - 254
+    return f32_bits(two_pow_23_plus_floor_sum(q, u1, COMPILED)) - 0x4B000000 + (m << 1) - 254
 
 
 @triton.jit
 def block_amax(xb, COMPILED: tl.constexpr):
-    """``max |x|`` over the last axis, NaN ignored (an all-NaN block gives 0). The GPU's ``max.f32``
-    ignores a NaN operand (PTX semantics; the final max with 0 covers all-NaN blocks), the
-    interpreter's ``np.maximum`` propagates it, so NaN is masked there."""
+    """``max |x|`` per block of a block tile ``[NB, BM, G, 8]`` -> ``[NB, BM]``, NaN ignored (an all-NaN
+    block gives 0). The GPU's ``max.f32`` ignores a NaN operand (PTX semantics; the final max with 0
+    covers all-NaN blocks), the interpreter's ``np.maximum`` propagates it, so NaN is masked there."""
     if COMPILED:
-        return tl.maximum(tl.max(tl.abs(xb), axis=2), 0.0)
+        return tl.maximum(tl.max(tl.max(tl.abs(xb), axis=3), axis=2), 0.0)
     else:
-        return tl.max(tl.where(xb == xb, tl.abs(xb), 0.0), axis=2)
+        return tl.max(tl.max(tl.where(xb == xb, tl.abs(xb), 0.0), axis=3), axis=2)
 
 
 @triton.jit
@@ -286,7 +332,8 @@ def e2m1_magnitude(v, COMPILED: tl.constexpr):
 
 @triton.jit
 def e2m1_nibbles(v, u, STOCHASTIC: tl.constexpr, COMPILED: tl.constexpr):
-    """4-bit E2M1 codes (sign in bit 3) of scaled values ``v``: saturating, RNE or stochastic, NaN -> 0."""
+    """4-bit E2M1 codes (sign in bit 3) of scaled values ``v``: saturating, RNE or stochastic (``u`` is
+    ``u1`` of :func:`uniform_blocks`), NaN -> 0."""
     a, sbit = e2m1_magnitude(v, COMPILED)
     if STOCHASTIC:
         code = e2m1_code_stochastic(a, u, COMPILED)
@@ -295,20 +342,121 @@ def e2m1_nibbles(v, u, STOCHASTIC: tl.constexpr, COMPILED: tl.constexpr):
     return code | (sbit >> 28)
 
 
-@triton.jit
-def pack_nibbles(nib, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``[BM, BK]`` 4-bit codes -> ``[BM, BK/2]`` bytes, element 2i in the low nibble of byte i."""
-    lo, hi = tl.split(tl.reshape(nib, [BLOCK_M, BLOCK_K // 2, 2]))
-    return (lo | (hi << 4)).to(tl.uint8)
+# E2M1 codes of 8 scaled values -> one 32-bit word (value 8i + j in nibble j), in one inline PTX block.
+#
+# Per value ``v``: ``a8 = sat(|v| / 8)`` (``mul.sat``: clamps to [0, 1] and turns NaN into +0, in one
+# multiply), then with ``a = 8 * a8`` and ``M = 2**23`` the magnitude code is
+#     min(RN(2a + M), RN(a + 2 + M), RN(a/2 + 4 + M), M + 7) - M
+# (``fma.rn``: one rounding each, to an integer since ulp(M) = 1; the E2M1 index is the concave
+# piecewise-linear min(2a, a + 2, a/2 + 4) of the magnitude, rounded to nearest even, and rounding
+# commutes with min). Checked against ``numerics.e2m1_encode`` for every fp32 in [0, 9), both signs,
+# and the specials. Stochastic: ``floor(f + u)`` instead, by ``fma.rz`` with ``u1 = 1 + u`` and
+# ``add.rz`` of ``M - 1`` (see :func:`two_pow_23_plus_floor_sum`; the same choices as
+# :func:`e2m1_code_stochastic` for the same ``u1``). Each code sits in the low 3 bits of its
+# sum's bit pattern (0x4B00000c); ``mad.lo`` pairs them into bytes (the 0x4B.. high parts cancel out
+# of the low bytes), ``prmt`` joins the bytes, and the 8 sign bits come from ``prmt``'s sign
+# replication of the values' top bytes. Compared with integer exponent arithmetic this moves most of
+# the work from the ALU pipe (the bottleneck of these kernels) to the FMA pipe.
+_E2M1_HEAD = ".reg .f32 a, t1, t2, t3;\n.reg .b32 c0, c1, c2, c3, c4, c5, c6, c7, p0, p1, p2, p3, q0, q1, sa, sb, sc, sd, se, sf;\n"
+_E2M1_ONE = ("abs.f32 a, {v};\nmul.sat.f32 a, a, 0f3E000000;\n"
+             "fma.rn.f32 t1, a, 0f41800000, 0f4B000000;\nfma.rn.f32 t2, a, 0f41000000, 0f4B000002;\n"
+             "fma.rn.f32 t3, a, 0f40800000, 0f4B000004;\n"
+             "min.f32 t1, t1, t2;\nmin.f32 t1, t1, t3;\nmin.f32 t1, t1, 0f4B000007;\nmov.b32 {c}, t1;\n")
+_E2M1_ONE_SR = ("abs.f32 a, {v};\nmul.sat.f32 a, a, 0f3E000000;\n"  # {u} is u1 = 1 + u: one less in each sum
+                "fma.rz.f32 t1, a, 0f41800000, {u};\nadd.rz.f32 t1, t1, 0f4AFFFFFE;\n"
+                "fma.rz.f32 t2, a, 0f41000000, {u};\nadd.rz.f32 t2, t2, 0f4B000001;\n"
+                "fma.rz.f32 t3, a, 0f40800000, {u};\nadd.rz.f32 t3, t3, 0f4B000003;\n"
+                "min.f32 t1, t1, t2;\nmin.f32 t1, t1, t3;\nmin.f32 t1, t1, 0f4B000007;\nmov.b32 {c}, t1;\n")
+# One instance per 8 consecutive values of a thread (``pack=8``): outputs $0..$7 (the word in $0, the
+# other seven left unset and unused), values $8..$15, uniforms $16..$23.
+_E2M1_TAIL = ("mad.lo.u32 p0, c1, 16, c0;\nmad.lo.u32 p1, c3, 16, c2;\nmad.lo.u32 p2, c5, 16, c4;\n"
+              "mad.lo.u32 p3, c7, 16, c6;\nmad.lo.u32 q0, p1, 256, p0;\nmad.lo.u32 q1, p3, 256, p2;\n"
+              "prmt.b32 $0, q0, q1, 0x5410;\n"
+              "prmt.b32 sa, $8, $10, 0xFB;\nprmt.b32 sb, $12, $14, 0xFB00;\nprmt.b32 sc, sa, sb, 0x7610;\n"
+              "prmt.b32 sd, $9, $11, 0xFB;\nprmt.b32 se, $13, $15, 0xFB00;\nprmt.b32 sf, sd, se, 0x7610;\n"
+              "lop3.b32 $0, $0, sc, 0x08080808, 0xF8;\nlop3.b32 $0, $0, sf, 0x80808080, 0xF8;\n")
+
+
+def _e2m1_asm(one: str) -> str:
+    return "{\n" + _E2M1_HEAD + "".join(one.format(v=f"${i + 8}", u=f"${i + 16}", c=f"c{i}") for i in range(8)) \
+        + _E2M1_TAIL + "}"
+
+
+E2M1_WORD_ASM = tl.constexpr(_e2m1_asm(_E2M1_ONE))
+E2M1_WORD_SR_ASM = tl.constexpr(_e2m1_asm(_E2M1_ONE_SR))
+E2M1_WORD_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["f"] * 8))
+E2M1_WORD_SR_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["f"] * 16))
 
 
 @triton.jit
-def store_packed(out_ptr, packed, rows64, row_ok, pid_k, K, stride_om, stride_ok, BLOCK_K: tl.constexpr):
-    """Store a tile of packed FP4 bytes (4 contiguous bytes per thread, as produced: no shuffle)."""
-    pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-    pcols = tl.max_contiguous(tl.multiple_of(pcols, 4), 4)
-    pptrs = out_ptr + rows64[:, None] * stride_om + pcols[None, :] * stride_ok
-    tl.store(pptrs, packed, mask=row_ok[:, None] & (pcols < K // 2)[None, :])
+def split8(t):
+    """The 8 slices ``t[..., j]`` of a tensor whose last axis is 8 (held by one thread: no data moves)."""
+    a, b = tl.split(tl.reshape(t, [t.shape[0], t.shape[1], t.shape[2], 4, 2]))  # even, odd j
+    a0, a1 = tl.split(tl.reshape(a, [t.shape[0], t.shape[1], t.shape[2], 2, 2]))  # j % 4 == 0, 2
+    b0, b1 = tl.split(tl.reshape(b, [t.shape[0], t.shape[1], t.shape[2], 2, 2]))  # j % 4 == 1, 3
+    e0, e4 = tl.split(a0)
+    e2, e6 = tl.split(a1)
+    e1, e5 = tl.split(b0)
+    e3, e7 = tl.split(b1)
+    return e0, e1, e2, e3, e4, e5, e6, e7
+
+
+@triton.jit
+def e2m1_words(v, u, STOCHASTIC: tl.constexpr, COMPILED: tl.constexpr, PACK8: tl.constexpr):
+    """Packed E2M1 codes of scaled values ``v [NB, BM, G, 8]`` -> uint32 words ``[NB, BM, G]``: element ``j``
+    of a word's 8 in nibble ``j`` (sign in bit 3), saturating, RNE or stochastic with ``u`` (``u1`` of
+    :func:`uniform_blocks`), NaN -> +0. Bytes are those of :func:`e2m1_nibbles` packed two per byte,
+    low nibble first. ``v`` must come out of GPU arithmetic (as ``x * scale`` does), whose only NaN is
+    the canonical one with the sign clear: the sign bits are taken from ``v`` as they are."""
+    if COMPILED and PACK8:
+        # one instance per 8 consecutive registers: with 16-bit inputs those are exactly one loaded
+        # vector (the group of 8), as the layout of the load gives them
+        if STOCHASTIC:
+            w8 = tl.inline_asm_elementwise(E2M1_WORD_SR_ASM, E2M1_WORD_SR_CONSTRAINTS, [v, u],
+                                           dtype=tl.int32, is_pure=True, pack=8)
+        else:
+            w8 = tl.inline_asm_elementwise(E2M1_WORD_ASM, E2M1_WORD_CONSTRAINTS, [v],
+                                           dtype=tl.int32, is_pure=True, pack=8)
+        w, _, _, _, _, _, _, _ = split8(w8)
+        return w.to(tl.uint32, bitcast=True)
+    elif COMPILED:
+        # fp32 inputs: a group of 8 is two vectors, not consecutive registers; the 8 values go in as
+        # separate tensors (the same PTX, operands $8.. of one instance each)
+        v0, v1, v2, v3, v4, v5, v6, v7 = split8(v)
+        if STOCHASTIC:
+            u0, u1, u2, u3, u4, u5, u6, u7 = split8(u)
+            w, _, _, _, _, _, _, _ = tl.inline_asm_elementwise(
+                E2M1_WORD_SR_ASM, E2M1_WORD_SR_CONSTRAINTS,
+                [v0, v1, v2, v3, v4, v5, v6, v7, u0, u1, u2, u3, u4, u5, u6, u7],
+                dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+        else:
+            w, _, _, _, _, _, _, _ = tl.inline_asm_elementwise(
+                E2M1_WORD_ASM, E2M1_WORD_CONSTRAINTS, [v0, v1, v2, v3, v4, v5, v6, v7],
+                dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+        return w.to(tl.uint32, bitcast=True)
+    else:
+        nib = e2m1_nibbles(v, u, STOCHASTIC, COMPILED)
+        return tl.sum(nib << (tl.arange(0, 8) * 4).to(tl.uint32)[None, None, None, :], axis=3)
+
+
+@triton.jit
+def store_words(out_ptr, words, rows64, row_ok, wcol0, K, stride_om, stride_ok, G: tl.constexpr,
+                WORDS: tl.constexpr):
+    """Store the packed words ``[NB, BM, G]`` of a block tile (word ``wcol0 + b * G + g`` of each row, 4
+    bytes). ``WORDS``: one 32-bit store per word (the caller checked byte stride 1 and 4-byte alignment
+    of the base and the row stride); else 4 byte stores at ``stride_ok``."""
+    b = tl.arange(0, words.shape[0])[:, None, None]
+    g = tl.arange(0, G)[None, None, :]
+    wcol = wcol0 + b * G + g
+    ok = row_ok[None, :, None] & (wcol < K // 8)
+    if WORDS:
+        wptrs = out_ptr.to(tl.pointer_type(tl.uint32)) + rows64[None, :, None] * (stride_om // 4) + wcol
+        tl.store(wptrs, words, mask=ok)
+    else:
+        j = tl.arange(0, 4)[None, None, None, :]
+        by = ((words[:, :, :, None] >> (j * 8).to(tl.uint32)) & 0xFF).to(tl.uint8)
+        bptrs = out_ptr + rows64[None, :, None, None] * stride_om + (wcol[:, :, :, None] * 4 + j) * stride_ok
+        tl.store(bptrs, by, mask=ok[:, :, :, None])
 
 
 @triton.jit
@@ -329,26 +477,88 @@ def fp8_byte_of_grid(r, MBITS: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
-def uniform_tile(seed, rows, col0, K, BLOCK_K: tl.constexpr, N_ROUNDS: tl.constexpr):
-    """Uniform ``(k + 1/2) / 2**16`` (k in [0, 65535]) per element of the tile ``rows x [col0, col0 + BLOCK_K)``.
+def uniform_blocks(seed, rows64, col0, K, NB: tl.constexpr, G: tl.constexpr, N_ROUNDS: tl.constexpr,
+                   COMPILED: tl.constexpr):
+    """``u1 = 1 + u``, ``u = (k + 1/2) / 2**16`` (k in [0, 65535]) uniform, per element of the block tile
+    ``[NB, BM, G, 8]`` at columns ``col0 + ...`` (:func:`block_cols`) of rows ``rows64``.
 
-    Philox4x32 (``tl.randint4x``, ``N_ROUNDS`` rounds, 10 by default as ``tl.rand``) keyed by
-    ``seed``; the counter is the index of the element's
-    group of 8 in its row-major row (``row * K/8 + col/8``), so the stream is reproducible and
-    independent of tiling and strides. The four 32-bit words of a group feed its 8 elements with
-    16 bits each: element ``col % 8`` takes half ``col % 2`` of word ``(col % 8) // 2``. The chance
-    of rounding up is then ``frac`` rounded to a multiple of 2**-16, centred (|bias| <= 2**-17).
-    Philox runs once per group; the lane selection is static once the 8 lanes sit in one thread.
+    Philox4x32 (the generator of ``tl.randint4x``, ``N_ROUNDS`` rounds: ``_runtime.PHILOX_ROUNDS``) keyed by
+    ``seed``; the counter is the index of the element's group of 8 in its row-major row
+    (``row * K/8 + col/8``), so the stream is reproducible and independent of tiling and strides. The
+    four 32-bit words of a group feed its 8 elements with 16 bits each: element ``col % 8`` takes word
+    ``(col % 8) // 2``, bits 7..22 for even elements and the other 16 (bits 23..31 and 0..6, by a
+    rotation) for odd ones, as the mantissa of ``u1`` under the exponent of 1 (one logic op, no
+    shift or conversion for even elements; the rounding helpers take ``u1`` as it is). The chance of
+    rounding up is then ``frac`` rounded to a multiple of 2**-16, centred (|bias| <= 2**-17). A group
+    of 8 is one thread's vector: Philox runs once per group and the lanes are picked statically.
     """
-    groups = col0 // 8 + tl.arange(0, BLOCK_K // 8)
-    g = rows.to(tl.int64)[:, None] * (K // 8) + groups[None, :]
-    r0, r1, r2, r3 = tl.randint4x(seed, g, N_ROUNDS)
-    lane = tl.arange(0, 8)[None, None, :]
-    w = tl.where(lane < 4, tl.where(lane < 2, r0[:, :, None], r1[:, :, None]),
-                 tl.where(lane < 6, r2[:, :, None], r3[:, :, None])).to(tl.uint32, bitcast=True)
-    k = tl.where((lane & 1) == 1, (w >> 9) & 0x7FFF80, (w << 7) & 0x7FFF80)
-    u = bits_f32(k | 0x3F800040) - 1.0
-    return tl.reshape(u, [rows.shape[0], BLOCK_K])
+    groups = col0 // 8 + tl.arange(0, NB)[:, None, None, None] * G + tl.arange(0, G)[None, None, :, None]
+    r0, r1, r2, r3 = philox4x32(seed, rows64[None, :, None, None] * (K // 8) + groups, N_ROUNDS, COMPILED)
+    # the lane of each element is static (the 8 sit in one thread), so the selects fold away
+    lane = tl.arange(0, 8)[None, None, None, :]
+    w = tl.where(lane < 4, tl.where(lane < 2, r0, r1), tl.where(lane < 6, r2, r3))
+    w = tl.where((lane & 1) == 1, (w << 16) | (w >> 16), w)  # odd lanes: the word rotated by 16
+    if COMPILED:  # one lop3 with the exponent in a register (the compiler's and + or takes two)
+        m = tl.inline_asm_elementwise(UNIFORM_MERGE_ASM, "=r,r,r",
+                                      [w, tl.full(w.shape, 0x3F800040, tl.uint32)], dtype=tl.uint32,
+                                      is_pure=True, pack=1)
+    else:
+        m = (w & 0x7FFF80) | 0x3F800040
+    return bits_f32(m)
+
+
+#: ``(w & 0x7FFF80) | $2`` in one lop3 (``$2`` holds 0x3F800040: exponent of 1, and the half-step).
+UNIFORM_MERGE_ASM = tl.constexpr("{\nlop3.b32 $0, $1, 0x7FFF80, $2, 0xEA;\n}")
+
+
+def _philox_asm(n_rounds: int) -> str:
+    """Philox4x32-``n_rounds`` (the constants and round function of ``tl.randint4x``) on counter
+    ($4, $5, 0, 0) and key ($6, $7), out $0..$3. ``mul.wide.u32`` gives each round's high and low
+    products in one instruction, where the compiler's ``umulhi`` and ``mul`` take two."""
+    lines = [".reg .b32 c0, c1, c2, c3, k0, k1, l0, h0, l2, h2;", ".reg .b64 p0, p2;",
+             "mov.b32 c0, $4;", "mov.b32 c1, $5;", "mov.b32 c2, 0;", "mov.b32 c3, 0;", "mov.b32 k0, $6;",
+             "mov.b32 k1, $7;"]
+    for i in range(n_rounds):
+        if i:
+            lines += ["add.u32 k0, k0, 0x9E3779B9;", "add.u32 k1, k1, 0xBB67AE85;"]
+        lines += ["mul.wide.u32 p0, c0, 0xD2511F53;", "mul.wide.u32 p2, c2, 0xCD9E8D57;",
+                  "mov.b64 {l0, h0}, p0;", "mov.b64 {l2, h2}, p2;",
+                  "lop3.b32 c0, h2, c1, k0, 0x96;", "lop3.b32 c2, h0, c3, k1, 0x96;",
+                  "mov.b32 c1, l2;", "mov.b32 c3, l0;"]
+    lines += ["mov.b32 $0, c0;", "mov.b32 $1, c1;", "mov.b32 $2, c2;", "mov.b32 $3, c3;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+PHILOX_10_ASM = tl.constexpr(_philox_asm(10))
+PHILOX_7_ASM = tl.constexpr(_philox_asm(7))
+
+
+@triton.jit
+def philox4x32(seed, offset, N_ROUNDS: tl.constexpr, COMPILED: tl.constexpr):
+    """``tl.randint4x(seed, offset, N_ROUNDS)`` as four uint32 tensors (same bits): on the GPU by
+    :func:`_philox_asm` (10 or 7 rounds), under the interpreter by Triton's own implementation."""
+    if COMPILED:
+        s = seed.to(tl.uint64)
+        k0 = tl.full(offset.shape, 0, tl.uint32) + (s & 0xFFFFFFFF).to(tl.uint32)
+        k1 = tl.full(offset.shape, 0, tl.uint32) + (s >> 32).to(tl.uint32)
+        c0 = offset.to(tl.uint32)
+        c1 = (offset >> 32).to(tl.uint32)
+        if N_ROUNDS == 10:
+            r0, r1, r2, r3 = tl.inline_asm_elementwise(PHILOX_10_ASM, "=r,=r,=r,=r,r,r,r,r", [c0, c1, k0, k1],
+                                                       dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+                                                       is_pure=True, pack=1)
+        else:
+            tl.static_assert(N_ROUNDS == 7, "philox4x32: 10 or 7 rounds")
+            r0, r1, r2, r3 = tl.inline_asm_elementwise(PHILOX_7_ASM, "=r,=r,=r,=r,r,r,r,r", [c0, c1, k0, k1],
+                                                       dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+                                                       is_pure=True, pack=1)
+    else:
+        r0, r1, r2, r3 = tl.randint4x(seed, offset, N_ROUNDS)
+        r0 = r0.to(tl.uint32, bitcast=True)
+        r1 = r1.to(tl.uint32, bitcast=True)
+        r2 = r2.to(tl.uint32, bitcast=True)
+        r3 = r3.to(tl.uint32, bitcast=True)
+    return r0, r1, r2, r3
 
 
 # ----------------------------------------------------------------------------------------------
@@ -359,7 +569,7 @@ def uniform_tile(seed, rows, col0, K, BLOCK_K: tl.constexpr, N_ROUNDS: tl.conste
 @triton.jit
 def nvfp4_dequant(r, sbit, s, gs):
     """``(+-r * s) / gs`` per element: ``r`` an E2M1 magnitude, ``sbit`` its sign (bit 31), ``s`` the
-    block scales ``[BM, NB]``, ``gs`` the global scale.
+    block scales ``[NB, BM]`` of a block tile ``[NB, BM, G, 8]``, ``gs`` the global scale.
 
     One IEEE division per element is the spec, and ~10 instructions. Because ``r`` is ``2**j`` or
     ``1.5 * 2**j`` (j in -1..2), ``r * s / gs == 2**j * RN(s / gs)`` or ``2**j * RN(1.5 * s / gs)``
@@ -376,9 +586,9 @@ def nvfp4_dequant(r, sbit, s, gs):
     if tl.min(fast.to(tl.int32)) == 1:
         mult = bits_f32((rb & 0xFFBFFFFF) | sbit)  # 1.5 -> 1, 3 -> 2, 6 -> 4, sign applied
         odd = (rb & 0x400000) != 0
-        out = mult * tl.where(odd, d15[:, :, None], d1[:, :, None])
+        out = mult * tl.where(odd, d15[:, :, None, None], d1[:, :, None, None])
     else:
-        out = tl.math.div_rn(bits_f32(rb | sbit) * s[:, :, None], gs)
+        out = tl.math.div_rn(bits_f32(rb | sbit) * s[:, :, None, None], gs)
     return out
 
 

@@ -82,6 +82,12 @@ def as_kernel_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 and interpreting() else t
 
 
+def vector_elems(t: torch.Tensor) -> int:
+    """Elements of ``t`` in one 16-byte vector (8 of bf16/fp16, 4 of fp32): the per-thread load width
+    of the block tiles (``_jit_numerics.block_cols``)."""
+    return 16 // t.element_size()
+
+
 def _pow2_divisor(k: int, cap: int) -> int:
     b = k & -k
     return min(b, cap)
@@ -116,8 +122,12 @@ def tile_override(kernel: str = "*", **cfg):
             _override[kernel] = old
 
 
-#: Philox rounds of the stochastic rounding (10, as tl.rand); part of the definition of the stream.
-PHILOX_ROUNDS = 10
+#: Philox rounds of the stochastic rounding; part of the definition of the stream. 7: Philox4x32-7
+#: passes TestU01's BigCrush (Salmon et al., SC'11, "Parallel random numbers: as easy as 1, 2, 3",
+#: table 2), which is all the rounding needs (independent, unbiased draws); ``tl.rand`` runs 10 as a
+#: safety margin. On the H200 the 3 rounds saved are worth 4-7% of a stochastic quantizer's time
+#: (``bench_triton_quant.py`` times the 10-round stream as a what-if).
+PHILOX_ROUNDS = 7
 
 
 def philox_rounds() -> int:
@@ -155,16 +165,24 @@ def grid2(rows: int, cols: int, bm: int, bk: int) -> tuple[int, int]:
 PROGRAM_ORDER = "m"
 
 
-def tile_grid(rows: int, cols: int, bm: int, bk: int, kernel: str = "*") -> tuple[tuple[int], int, int, bool]:
-    """(1-D grid, row blocks, K tiles, K-fastest) for a kernel that finds its tile with
-    ``_jit_numerics.tile_ids``."""
+def tile_grid(rows: int, cols: int, bm: int, bk: int, kernel: str = "*") -> tuple[tuple[int, int], int, int, bool]:
+    """(2-D grid, row blocks, K tiles, K-fastest) for a kernel that finds its tile with
+    ``_jit_numerics.tile_ids``. Grid axis 0 (the one the hardware schedules first) is the fast one;
+    ``"k"`` order falls back to ``"m"`` when the row blocks exceed the 65535 limit of axis 1."""
     n_m, n_k = grid2(rows, cols, bm, bk)
     ov = _overrides(kernel)
     order = ov.get("order", PROGRAM_ORDER)
     if order not in ("k", "m"):
         raise ValueError(f"order: expected 'k' or 'm', got {order!r}")
-    return (n_m * n_k,), n_m, n_k, order == "k"
+    if n_k > MAX_GRID_Y:
+        raise ValueError(f"K: {cols} columns need {n_k} tiles of {bk}, more than the {MAX_GRID_Y} of a grid axis")
+    k_fast = order == "k" and n_m <= MAX_GRID_Y
+    return ((n_k, n_m) if k_fast else (n_m, n_k)), n_m, n_k, k_fast
 
 
-__all__ = ["LAUNCH_OPTIONS", "interpreting", "interpreter_problem", "check_device", "hw_fp8", "as_kernel_tensor", "tile", "tile_override",
+#: CUDA's limit on grid axes 1 and 2.
+MAX_GRID_Y = 65535
+
+
+__all__ = ["LAUNCH_OPTIONS", "interpreting", "interpreter_problem", "check_device", "hw_fp8", "as_kernel_tensor", "tile", "tile_override", "vector_elems",
            "resolve_seed", "rows_view", "grid2", "tile_grid", "PROGRAM_ORDER"]

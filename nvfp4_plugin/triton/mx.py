@@ -32,22 +32,21 @@ def _mx_kernel(x_ptr, out_ptr, scale_ptr, M, K, stride_xm, stride_om, stride_sm,
                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                FMT: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                EMIN_FIELD: tl.constexpr, RCEIL: tl.constexpr, FAKE: tl.constexpr, STOCHASTIC: tl.constexpr,
-               N_ROUNDS: tl.constexpr, HW_FP8: tl.constexpr, COMPILED: tl.constexpr, K_FAST: tl.constexpr):
+               N_ROUNDS: tl.constexpr, HW_FP8: tl.constexpr, COMPILED: tl.constexpr, K_FAST: tl.constexpr,
+               VEC: tl.constexpr):
     NB: tl.constexpr = BLOCK_K // 32
     pid_m, pid_k = jn.tile_ids(n_m, n_k, K_FAST)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     row_ok = rows < M
-    mask = row_ok[:, None] & (cols < K)[None, :]
     rows64 = rows.to(tl.int64)
-    x = jn.load_f32(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask)
-    xb = tl.reshape(x, [BLOCK_M, NB, 32])
+    cols = jn.block_cols(pid_k * BLOCK_K, NB, 4, VEC)
+    x = jn.load_block_tile(x_ptr, rows64, row_ok, cols, K, stride_xm, 1, 4)  # [NB, BM, 4, 8]: block, row, quarter, element
 
-    amax = tl.minimum(jn.block_amax(xb, COMPILED), jn.FLT_MAX)  # NaN ignored, Inf counts as FLT_MAX
-    e = jn.mx_exponent(amax, FMAX, EMAX, RCEIL)
-    v = xb * jn.exp2i(-e)[:, :, None]  # exact; NaN exactly where x is NaN
+    amax = tl.minimum(jn.block_amax(x, COMPILED), jn.FLT_MAX)  # NaN ignored, Inf counts as FLT_MAX
+    e = jn.mx_exponent(amax, FMAX, EMAX, RCEIL)  # [NB, BM]
+    v = x * jn.exp2i(-e)[:, :, None, None]  # exact; NaN exactly where x is NaN
     if STOCHASTIC:
-        u = tl.reshape(jn.uniform_tile(seed, rows, pid_k * BLOCK_K, K, BLOCK_K, N_ROUNDS), [BLOCK_M, NB, 32])
+        u = jn.uniform_blocks(seed, rows64, pid_k * BLOCK_K, K, NB, 4, N_ROUNDS, COMPILED)
     else:
         u = 0.0
 
@@ -58,11 +57,10 @@ def _mx_kernel(x_ptr, out_ptr, scale_ptr, M, K, stride_xm, stride_om, stride_sm,
                 r = jn.grid_round_stochastic(a, u, MBITS, EMIN_FIELD, COMPILED)
             else:
                 r = jn.grid_round(a, MBITS, EMIN_FIELD)
-            y = jn.bits_f32(jn.f32_bits(r) | sbit) * jn.exp2i(e)[:, :, None]
+            y = jn.bits_f32(jn.f32_bits(r) | sbit) * jn.exp2i(e)[:, :, None, None]
         else:
-            nib = tl.reshape(jn.e2m1_nibbles(v, u, STOCHASTIC, COMPILED), [BLOCK_M, BLOCK_K])
-            jn.store_packed(out_ptr, jn.pack_nibbles(nib, BLOCK_M, BLOCK_K), rows64, row_ok, pid_k, K, stride_om, 1,
-                            BLOCK_K)
+            jn.store_words(out_ptr, jn.e2m1_words(v, u, STOCHASTIC, COMPILED, VEC == 8), rows64, row_ok,
+                           pid_k * (BLOCK_K // 8), K, stride_om, 1, 4, True)
     else:
         nan = v != v
         vsign = jn.f32_bits(v) & 0x80000000
@@ -85,19 +83,19 @@ def _mx_kernel(x_ptr, out_ptr, scale_ptr, M, K, stride_xm, stride_om, stride_sm,
             qbyte = jn.fp8_byte_of_grid(r, MBITS, BIAS) | (vsign >> 24)
             qval = signed_r
         if FAKE:
-            y = tl.where(nan, v, qval) * jn.exp2i(e)[:, :, None]
+            y = tl.where(nan, v, qval) * jn.exp2i(e)[:, :, None, None]
         else:
             qbyte = tl.where(nan, 0x7F | (vsign >> 24), qbyte)  # NaN stays NaN, sign kept (as torch's cast)
-            q8 = tl.reshape(qbyte, [BLOCK_M, BLOCK_K]).to(tl.uint8)
-            tl.store(out_ptr + rows64[:, None] * stride_om + cols[None, :], q8, mask=mask)
+            q8 = tl.reshape(qbyte.to(tl.uint8), [NB, BLOCK_M, 32 // VEC, VEC])
+            tl.store(out_ptr + rows64[None, :, None, None] * stride_om + cols, q8,
+                     mask=row_ok[None, :, None, None] & (cols < K))
 
     if FAKE:
-        jn.store_f32(out_ptr + rows64[:, None] * stride_om + cols[None, :], tl.reshape(y, [BLOCK_M, BLOCK_K]), mask)
+        jn.store_block_tile(out_ptr, y, rows64, row_ok, pid_k * BLOCK_K, K, stride_om, 4)
     else:
-        kb = pid_k * NB + tl.arange(0, NB)
-        sptrs = scale_ptr + rows64[:, None] * stride_sm + kb[None, :]
+        kb = pid_k * NB + tl.arange(0, NB)[:, None]  # [NB, 1]
         sbyte = (e + 127).to(tl.uint8)
-        tl.store(sptrs, sbyte, mask=row_ok[:, None] & (kb < K // 32)[None, :])
+        tl.store(scale_ptr + rows64[None, :] * stride_sm + kb, sbyte, mask=row_ok[None, :] & (kb < K // 32))
 
 
 def _run(x: torch.Tensor, fmt: str, *, fake: bool, scale_recipe: str, stochastic_rounding: bool, seed):
@@ -127,7 +125,7 @@ def _run(x: torch.Tensor, fmt: str, *, fake: bool, scale_recipe: str, stochastic
             BLOCK_M=bm, BLOCK_K=bk, FMT=fid, FMAX=fmax, EMAX=emax, MBITS=mbits, BIAS=bias, EMIN_FIELD=emin_field,
             RCEIL=scale_recipe == "rceil", FAKE=fake, STOCHASTIC=bool(stochastic_rounding),
             N_ROUNDS=rt.philox_rounds(), HW_FP8=rt.hw_fp8(x.device), COMPILED=not rt.interpreting(), K_FAST=k_fast,
-            num_warps=warps, **rt.LAUNCH_OPTIONS)
+            VEC=rt.vector_elems(x2), num_warps=warps, **rt.LAUNCH_OPTIONS)
     if fake:
         return out.reshape(x.shape)
     return out.reshape(*lead, out.shape[-1]), scales.reshape(*lead, k // nx.MX_BLOCK_SIZE)

@@ -1,9 +1,11 @@
 """NVFP4 in Triton: ``scaled_fp4_quant`` (packed + e4m3/ue8m0 scales, linear or swizzled 128x4) and
 ``nvfp4_forward`` / ``fake_quant_nvfp4`` (quantize + dequantize, optionally stochastic).
 
-One kernel, specialised by constexprs, covers both. Each program quantizes a ``BLOCK_M x BLOCK_K``
-tile: load (16-byte vectors), per-16 amax, block scale (E4M3 rounding by ``cvt.rn.satfinite`` on
-sm_89+, in software elsewhere; IEEE divisions), E2M1 codes, then packed bytes + scale bytes, or the
+One kernel, specialised by constexprs, covers both. Each program quantizes ``BLOCK_M`` rows x
+``BLOCK_K`` columns as a block tile (``_jit_numerics.block_cols``: each thread holds whole 16-blocks):
+load (16-byte vectors), per-block amax in the thread, block scale (E4M3 rounding by
+``cvt.rn.satfinite`` on sm_89+, in software elsewhere; IEEE divisions), then E2M1 codes packed 8 per
+32-bit word by the inline-PTX encoder (``_jit_numerics.e2m1_words``) + scale bytes, or the
 dequantized values. For the swizzled layout the grid also covers the padding rows (up to a multiple
 of 128) and scale columns (up to a multiple of 4) and writes their zeros, so the output needs no
 separate memset and is fully defined (one launch).
@@ -27,24 +29,22 @@ def _nvfp4_kernel(x_ptr, out_ptr, scale_ptr, gs_ptr, M, K, stride_xm, stride_om,
                   k_tiles, seed, n_m, n_k, K_FAST: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FAKE: tl.constexpr, SWIZZLE: tl.constexpr,
                   UE8M0: tl.constexpr, STOCHASTIC: tl.constexpr, N_ROUNDS: tl.constexpr, HW_FP8: tl.constexpr,
-                  COMPILED: tl.constexpr):
+                  COMPILED: tl.constexpr, VEC: tl.constexpr):
     NB: tl.constexpr = BLOCK_K // 16
     pid_m, pid_k = jn.tile_ids(n_m, n_k, K_FAST)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     row_ok = rows < M
-    mask = row_ok[:, None] & (cols < K)[None, :]
     rows64 = rows.to(tl.int64)
-    x = jn.load_f32(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask)
+    cols = jn.block_cols(pid_k * BLOCK_K, NB, 2, VEC)
+    x = jn.load_block_tile(x_ptr, rows64, row_ok, cols, K, stride_xm, 1, 2)  # [NB, BM, 2, 8]: block, row, half, element
     gs = tl.load(gs_ptr)
     inv_gs = jn.inverse_or_zero(gs)
 
-    xb = tl.reshape(x, [BLOCK_M, NB, 16])
-    vmax = jn.block_amax(xb, COMPILED)  # a NaN never raises a scale
+    vmax = jn.block_amax(x, COMPILED)  # [NB, BM]; a NaN never raises a scale
     byte, s, out_scale = jn.nvfp4_block_scales(vmax, gs, inv_gs, UE8M0, HW_FP8)
-    v = xb * out_scale[:, :, None]  # NaN (from x, or Inf * 0) encodes as +0, as in the reference
+    v = x * out_scale[:, :, None, None]  # NaN (from x, or Inf * 0) encodes as +0, as in the reference
     if STOCHASTIC:
-        u = tl.reshape(jn.uniform_tile(seed, rows, pid_k * BLOCK_K, K, BLOCK_K, N_ROUNDS), [BLOCK_M, NB, 16])
+        u = jn.uniform_blocks(seed, rows64, pid_k * BLOCK_K, K, NB, 2, N_ROUNDS, COMPILED)
     else:
         u = 0.0
 
@@ -54,23 +54,20 @@ def _nvfp4_kernel(x_ptr, out_ptr, scale_ptr, gs_ptr, M, K, stride_xm, stride_om,
             r = jn.grid_round_stochastic(a, u, 1, 127, COMPILED)
         else:
             r = jn.grid_round(a, 1, 127)
-        y = tl.reshape(jn.nvfp4_dequant(r, sbit, s, gs), [BLOCK_M, BLOCK_K])
-        jn.store_f32(out_ptr + rows64[:, None] * stride_om + cols[None, :], y, mask)
+        jn.store_block_tile(out_ptr, jn.nvfp4_dequant(r, sbit, s, gs), rows64, row_ok, pid_k * BLOCK_K, K, stride_om, 2)
     else:
-        nib = tl.reshape(jn.e2m1_nibbles(v, u, STOCHASTIC, COMPILED), [BLOCK_M, BLOCK_K])
-        jn.store_packed(out_ptr, jn.pack_nibbles(nib, BLOCK_M, BLOCK_K), rows64, row_ok, pid_k, K, stride_om, 1,
-                        BLOCK_K)
+        jn.store_words(out_ptr, jn.e2m1_words(v, u, STOCHASTIC, COMPILED, VEC == 8), rows64, row_ok, pid_k * (BLOCK_K // 8), K,
+                       stride_om, 1, 2, True)
 
-        kb = pid_k * NB + tl.arange(0, NB)
-        valid = row_ok[:, None] & (kb < K // 16)[None, :]
+        kb = pid_k * NB + tl.arange(0, NB)[:, None]  # [NB, 1]
+        valid = row_ok[None, :] & (kb < K // 16)
         if SWIZZLE:  # the grid covers the padding rows and columns: write their zeros
-            m = rows64[:, None]
-            kk = kb[None, :]
-            soff = (((m // 128) * k_tiles + kk // 4) * 512 + (m % 32) * 16 + ((m // 32) % 4) * 4 + kk % 4)
-            smask = (rows < m_cover)[:, None] & (kb < kb_cover)[None, :]
+            m = rows64[None, :]
+            soff = (((m // 128) * k_tiles + kb // 4) * 512 + (m % 32) * 16 + ((m // 32) % 4) * 4 + kb % 4)
+            smask = (rows < m_cover)[None, :] & (kb < kb_cover)
             tl.store(scale_ptr + soff, tl.where(valid, byte, 0).to(tl.uint8), mask=smask)
         else:
-            tl.store(scale_ptr + rows64[:, None] * stride_sm + kb[None, :], byte.to(tl.uint8), mask=valid)
+            tl.store(scale_ptr + rows64[None, :] * stride_sm + kb, byte.to(tl.uint8), mask=valid)
 
 
 @triton.jit
@@ -101,7 +98,8 @@ def _launch(x2: torch.Tensor, out: torch.Tensor, scales: torch.Tensor | None, gs
         m, k, x2.stride(0), out.stride(0), 0 if scales is None or swizzle else scales.stride(0), m_cover, kb_cover,
         triton.cdiv(kb_cover, 4), seed, n_m, n_k, K_FAST=k_fast,
         BLOCK_M=bm, BLOCK_K=bk, FAKE=fake, SWIZZLE=swizzle, UE8M0=ue8m0, STOCHASTIC=stochastic,
-        N_ROUNDS=rt.philox_rounds(), HW_FP8=rt.hw_fp8(x2.device), COMPILED=not rt.interpreting(), num_warps=warps,
+        N_ROUNDS=rt.philox_rounds(), HW_FP8=rt.hw_fp8(x2.device), COMPILED=not rt.interpreting(),
+        VEC=rt.vector_elems(x2), num_warps=warps,
         **rt.LAUNCH_OPTIONS)
 
 

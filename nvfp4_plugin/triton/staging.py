@@ -25,25 +25,23 @@ from . import _runtime as rt
 def _stage_kernel(h_ptr, xq_ptr, xsf_ptr, ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, M, K, TOPK, n_m, n_k,
                   s_hm, s_hk, s_qm, s_qk, s_sfm, s_sfk, s_im, s_ik, s_wm, s_wk, s_iom, s_iok, s_wom, s_wok,
                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, HW_FP8: tl.constexpr,
-                  COMPILED: tl.constexpr, K_FAST: tl.constexpr):
+                  COMPILED: tl.constexpr, K_FAST: tl.constexpr, WORDS: tl.constexpr, VEC: tl.constexpr):
     NB: tl.constexpr = BLOCK_K // 16
     pid_m, pid_k = jn.tile_ids(n_m, n_k, K_FAST)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     row_ok = rows < M
-    mask = row_ok[:, None] & (cols < K)[None, :]
     rows64 = rows.to(tl.int64)
-    x = jn.load_f32(h_ptr + rows64[:, None] * s_hm + cols[None, :] * s_hk, mask)
+    cols = jn.block_cols(pid_k * BLOCK_K, NB, 2, VEC)
+    x = jn.load_block_tile(h_ptr, rows64, row_ok, cols, K, s_hm, s_hk, 2)  # [NB, BM, 2, 8]: block, row, half, element
 
     # NVFP4 recipe with global scale 1: s = e4m3(vmax * fp32(1/6)), out_scale = 1 / s
-    xb = tl.reshape(x, [BLOCK_M, NB, 16])
-    vmax = jn.block_amax(xb, COMPILED)  # a NaN never raises a scale
+    vmax = jn.block_amax(x, COMPILED)  # [NB, BM]; a NaN never raises a scale
     byte, s, out_scale = jn.nvfp4_block_scales(vmax, 1.0, 1.0, False, HW_FP8)
-    nib = tl.reshape(jn.e2m1_nibbles(xb * out_scale[:, :, None], 0.0, False, COMPILED), [BLOCK_M, BLOCK_K])
-    jn.store_packed(xq_ptr, jn.pack_nibbles(nib, BLOCK_M, BLOCK_K), rows64, row_ok, pid_k, K, s_qm, s_qk, BLOCK_K)
+    words = jn.e2m1_words(x * out_scale[:, :, None, None], 0.0, False, COMPILED, VEC == 8)
+    jn.store_words(xq_ptr, words, rows64, row_ok, pid_k * (BLOCK_K // 8), K, s_qm, s_qk, 2, WORDS)
 
     # four scale bytes per int32, group g in byte g % 4 (disjoint bit fields: the sum is the OR)
-    b4 = tl.reshape(byte, [BLOCK_M, NB // 4, 4])
+    b4 = tl.reshape(tl.trans(byte), [BLOCK_M, NB // 4, 4])
     word = tl.sum(b4 << (tl.arange(0, 4) * 8).to(tl.uint32)[None, None, :], axis=2)
     wcols = pid_k * (NB // 4) + tl.arange(0, NB // 4)
     wptrs = xsf_ptr + rows64[:, None] * s_sfm + wcols[None, :].to(tl.int64) * s_sfk
@@ -87,5 +85,7 @@ def stage_deepseek_v4_mega_moe_inputs(hidden_states: torch.Tensor, topk_weights:
         topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1),
         topk_idx_out.stride(0), topk_idx_out.stride(1), topk_weights_out.stride(0), topk_weights_out.stride(1),
         BLOCK_M=bm, BLOCK_K=bk, BLOCK_TOPK=max(triton.next_power_of_2(max(top_k, 1)), 1),
-        HW_FP8=rt.hw_fp8(h.device), COMPILED=not rt.interpreting(), K_FAST=k_fast, num_warps=warps,
+        HW_FP8=rt.hw_fp8(h.device), COMPILED=not rt.interpreting(), K_FAST=k_fast,
+        WORDS=xq.stride(1) == 1 and xq.stride(0) % 4 == 0 and xq.data_ptr() % 4 == 0, VEC=rt.vector_elems(h),
+        num_warps=warps,
         **rt.LAUNCH_OPTIONS)
