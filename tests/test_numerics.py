@@ -192,6 +192,16 @@ def test_max_blockscale_rows_is_an_upper_bound(counts):
     assert all(b % 128 == 0 for b in bs.tolist())
 
 
+def test_max_blockscale_rows_is_reached_and_tight_for_few_rows():
+    # a decode step: 8 rows over 256 experts, at most 8 experts with rows, each padded to 128
+    assert nx.max_blockscale_rows(8, 256) == 1024
+    worst = torch.tensor([0] + [1] * 8 + [0] * 248).cumsum(0)
+    assert nx.blockscale_offsets_from_expert_offsets(worst)[-1].item() == 1024
+    # more rows than experts: every expert can carry 127 padding rows
+    assert nx.max_blockscale_rows(4096, 8) == 4096 + 8 * 128
+    assert nx.max_blockscale_rows(0, 8) == 0
+
+
 # ---------------------------------------------------------------------------------------- SiLU
 
 def test_exp_fp32_accuracy_and_limits():
