@@ -245,7 +245,7 @@ def test_cuda_graph_capture_no_host_sync():
 
 @pytest.mark.parametrize("order", ["k", "m"])
 def test_program_order_gives_the_same_bytes(order):
-    """Both program orders of the 1-D grid (K tiles fastest, row blocks fastest) cover every tile once:
+    """Both program orders of the 2-D grid (K tiles fastest, row blocks fastest) cover every tile once:
     several row blocks and K tiles, a ragged last row block, swizzled padding written, the reference's bytes."""
     from nvfp4_plugin.triton import _runtime as rt
     from nvfp4_plugin.triton import mx
@@ -274,6 +274,52 @@ def test_program_order_gives_the_same_bytes(order):
         staging.stage_deepseek_v4_mega_moe_inputs(h.to(DEV), wts.to(DEV), ids.to(DEV), *got)
     ref.stage_deepseek_v4_mega_moe_inputs(h, wts, ids, *want)
     assert all(same_bits(a, b) for a, b in zip(got, want))
+
+
+def test_grid_puts_the_long_axis_first_when_axis_1_would_overflow():
+    from nvfp4_plugin.triton import _runtime as rt
+
+    assert rt.tile_grid(64, 4096, 8, 512) == ((8, 8), 8, 8, False)  # row blocks on axis 0 (order "m")
+    with rt.tile_override("*", order="k"):
+        assert rt.tile_grid(64, 4096, 8, 512) == ((8, 8), 8, 8, True)
+        assert rt.tile_grid(8 * 70000, 512, 8, 512)[3] is False  # 70000 row blocks cannot go on axis 1
+    grid, n_m, n_k, k_fast = rt.tile_grid(8, 16 * 70001, 8, 16)  # 70001 K tiles cannot either
+    assert k_fast and grid == (70001, 1)
+    with pytest.raises(ValueError, match="more than a grid holds"):
+        rt.tile_grid(8 * 70000, 16 * 70001, 8, 16)
+
+
+@GPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rows_that_are_not_16_byte_aligned(dtype):
+    """Row strides and base addresses that rule out 16-byte loads give Triton other tile layouts; the
+    bytes must not change (the E2M1 encoder gets its 8 values as separate operands, whatever the layout)."""
+    from nvfp4_plugin.triton import mx, staging
+
+    big = special_input(64, 520, dtype, seed=9).to(DEV)
+    flat = big.reshape(-1)
+    views = {"row stride 520": big[:, :512], "base + 8 bytes": flat[4:4 + 64 * 512].view(64, 512)}
+    for name, x in views.items():
+        xc = x.cpu().contiguous()
+        gs = nx.tensor_global_scale(xc).reshape(1)
+        for swizzle in (True, False):
+            p1, s1 = tn.scaled_fp4_quant(x, gs.to(DEV), swizzle=swizzle)
+            p2, s2 = ref.scaled_fp4_quant(xc, gs, swizzle=swizzle)
+            assert same_bits(p1, p2) and same_bits(s1, s2), name
+        q1, e1 = mx.mxfp4_quantize(x)
+        q2, e2 = ref.mxfp4_quantize(xc)
+        assert same_bits(q1, q2) and same_bits(e1, e2), name
+        # stochastic: the same draws as on a contiguous copy
+        assert same_bits(mx.mxfp4_quantize(x, stochastic_rounding=True, seed=7)[0],
+                         mx.mxfp4_quantize(xc.to(DEV), stochastic_rounding=True, seed=7)[0]), name
+        ids = torch.zeros(64, 2, dtype=torch.int32)
+        wts = torch.ones(64, 2)
+        got = (torch.empty(64, 256, dtype=torch.uint8, device=DEV), torch.empty(64, 8, dtype=torch.int32, device=DEV),
+               torch.empty(64, 2, dtype=torch.int64, device=DEV), torch.empty(64, 2, device=DEV))
+        want = tuple(torch.empty(t.shape, dtype=t.dtype) for t in got)
+        staging.stage_deepseek_v4_mega_moe_inputs(x, wts.to(DEV), ids.to(DEV), *got)
+        ref.stage_deepseek_v4_mega_moe_inputs(xc, wts, ids, *want)
+        assert all(same_bits(a, b) for a, b in zip(got, want)), name
 
 
 def test_program_order_is_validated():

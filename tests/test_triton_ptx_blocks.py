@@ -115,12 +115,12 @@ def run_ptx(asm: str, operands: dict) -> dict:
 
 
 def e2m1_word_ptx(v, u1=None) -> int:
-    ops = {f"${i + 8}": np.float32(x) for i, x in enumerate(v)}
-    asm = jn.E2M1_WORD_ASM.value
-    if u1 is not None:
-        ops.update({f"${i + 16}": np.float32(x) for i, x in enumerate(u1)})
-        asm = jn.E2M1_WORD_SR_ASM.value
-    return run_ptx(asm, ops)["$0"]
+    """The packed word of 8 values: operands $8..$15 are their bits, or (stochastic) 64-bit pairs with
+    u1's bits in the high half, as ``_jit_numerics.e2m1_words`` passes them."""
+    if u1 is None:
+        return run_ptx(jn.E2M1_WORD_ASM.value, {f"${i + 8}": _bits(x) for i, x in enumerate(v)})["$0"]
+    ops = {f"${i + 8}": _bits(x) | (_bits(u) << 32) for i, (x, u) in enumerate(zip(v, u1))}
+    return run_ptx(jn.E2M1_WORD_SR_ASM.value, ops)["$0"]
 
 
 def word_of(codes) -> int:

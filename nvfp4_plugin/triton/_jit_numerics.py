@@ -95,12 +95,14 @@ def block_cols(col0, NB: tl.constexpr, G: tl.constexpr, VEC: tl.constexpr):
     ``col0 + b * G * 8``), its ``VEC``-element slices (one 16-byte vector each: 8 of bf16/fp16, 4 of
     fp32). :func:`load_block_tile` loads through them and reshapes to ``[NB, BM, G, 8]``.
 
-    The block axis comes first on purpose. Triton's coalescing gives the contiguous axis to each
-    thread as one vector and then spreads the lanes over the lowest-numbered remaining axis: here the
-    blocks, so each thread holds whole blocks (all their vectors; the rows of the tile come from the
-    warps). The block amax is then a reduction within the thread (no shuffle), each block's scale is
-    computed once (not once per thread that holds a piece of it), and a thread's 8 consecutive codes
-    make one 32-bit word of packed output.
+    The block axis comes first on purpose. When the rows are 16-byte aligned, Triton's coalescing gives
+    the contiguous axis to each thread as one vector and then spreads the lanes over the
+    lowest-numbered remaining axis: here the blocks, so each thread holds whole blocks (all their
+    vectors; the rows of the tile come from the warps). The block amax is then a reduction within the
+    thread (no shuffle), each block's scale is computed once (not once per thread that holds a piece
+    of it), and a thread's 8 consecutive codes make one 32-bit word of packed output. Nothing depends
+    on that layout for correctness (other inputs get other layouts, and Triton moves data as needed);
+    it is what makes the common case fast.
     """
     b = tl.arange(0, NB)[:, None, None, None]
     g = tl.arange(0, G * 8 // VEC)[None, None, :, None]
@@ -367,25 +369,31 @@ _E2M1_ONE_SR = ("abs.f32 a, {v};\nmul.sat.f32 a, a, 0f3E000000;\n"  # {u} is u1 
                 "fma.rz.f32 t2, a, 0f41000000, {u};\nadd.rz.f32 t2, t2, 0f4B000001;\n"
                 "fma.rz.f32 t3, a, 0f40800000, {u};\nadd.rz.f32 t3, t3, 0f4B000003;\n"
                 "min.f32 t1, t1, t2;\nmin.f32 t1, t1, t3;\nmin.f32 t1, t1, 0f4B000007;\nmov.b32 {c}, t1;\n")
-# One instance per 8 consecutive values of a thread (``pack=8``): outputs $0..$7 (the word in $0, the
-# other seven left unset and unused), values $8..$15, uniforms $16..$23.
+# One instance per word: outputs $0..$7 (the word in $0; the other seven are unused), inputs $8..$15
+# the 8 values (fp32), or for the stochastic variant the 8 (value, uniform) pairs as 64-bit operands
+# (low half the value's bits, high half u1's).
 _E2M1_TAIL = ("mad.lo.u32 p0, c1, 16, c0;\nmad.lo.u32 p1, c3, 16, c2;\nmad.lo.u32 p2, c5, 16, c4;\n"
               "mad.lo.u32 p3, c7, 16, c6;\nmad.lo.u32 q0, p1, 256, p0;\nmad.lo.u32 q1, p3, 256, p2;\n"
               "prmt.b32 $0, q0, q1, 0x5410;\n"
-              "prmt.b32 sa, $8, $10, 0xFB;\nprmt.b32 sb, $12, $14, 0xFB00;\nprmt.b32 sc, sa, sb, 0x7610;\n"
-              "prmt.b32 sd, $9, $11, 0xFB;\nprmt.b32 se, $13, $15, 0xFB00;\nprmt.b32 sf, sd, se, 0x7610;\n"
+              "prmt.b32 sa, v0, v2, 0xFB;\nprmt.b32 sb, v4, v6, 0xFB00;\nprmt.b32 sc, sa, sb, 0x7610;\n"
+              "prmt.b32 sd, v1, v3, 0xFB;\nprmt.b32 se, v5, v7, 0xFB00;\nprmt.b32 sf, sd, se, 0x7610;\n"
               "lop3.b32 $0, $0, sc, 0x08080808, 0xF8;\nlop3.b32 $0, $0, sf, 0x80808080, 0xF8;\n")
 
 
-def _e2m1_asm(one: str) -> str:
-    return "{\n" + _E2M1_HEAD + "".join(one.format(v=f"${i + 8}", u=f"${i + 16}", c=f"c{i}") for i in range(8)) \
-        + _E2M1_TAIL + "}"
+def _e2m1_asm(one: str, stochastic: bool) -> str:
+    regs = ".reg .b32 v0, v1, v2, v3, v4, v5, v6, v7, u0, u1, u2, u3, u4, u5, u6, u7;\n"
+    if stochastic:
+        unpack = "".join(f"mov.b64 {{v{i}, u{i}}}, ${i + 8};\n" for i in range(8))
+    else:
+        unpack = "".join(f"mov.b32 v{i}, ${i + 8};\n" for i in range(8))
+    return ("{\n" + _E2M1_HEAD + regs + unpack + "".join(one.format(v=f"v{i}", u=f"u{i}", c=f"c{i}") for i in range(8))
+            + _E2M1_TAIL + "}")
 
 
-E2M1_WORD_ASM = tl.constexpr(_e2m1_asm(_E2M1_ONE))
-E2M1_WORD_SR_ASM = tl.constexpr(_e2m1_asm(_E2M1_ONE_SR))
-E2M1_WORD_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["f"] * 8))
-E2M1_WORD_SR_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["f"] * 16))
+E2M1_WORD_ASM = tl.constexpr(_e2m1_asm(_E2M1_ONE, False))
+E2M1_WORD_SR_ASM = tl.constexpr(_e2m1_asm(_E2M1_ONE_SR, True))
+E2M1_WORD_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 8))
+E2M1_WORD_SR_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["l"] * 8))
 
 
 @triton.jit
@@ -402,37 +410,28 @@ def split8(t):
 
 
 @triton.jit
-def e2m1_words(v, u, STOCHASTIC: tl.constexpr, COMPILED: tl.constexpr, PACK8: tl.constexpr):
+def e2m1_words(v, u, STOCHASTIC: tl.constexpr, COMPILED: tl.constexpr):
     """Packed E2M1 codes of scaled values ``v [NB, BM, G, 8]`` -> uint32 words ``[NB, BM, G]``: element ``j``
     of a word's 8 in nibble ``j`` (sign in bit 3), saturating, RNE or stochastic with ``u`` (``u1`` of
     :func:`uniform_blocks`), NaN -> +0. Bytes are those of :func:`e2m1_nibbles` packed two per byte,
     low nibble first. ``v`` must come out of GPU arithmetic (as ``x * scale`` does), whose only NaN is
     the canonical one with the sign clear: the sign bits are taken from ``v`` as they are."""
-    if COMPILED and PACK8:
-        # one instance per 8 consecutive registers: with 16-bit inputs those are exactly one loaded
-        # vector (the group of 8), as the layout of the load gives them
+    if COMPILED:
+        # the 8 values of a word go in as 8 operands of one instance (split8 picks registers; the
+        # result does not depend on how Triton lays the tile out). Stochastic: each value travels
+        # with its uniform in one 64-bit word, which keeps u in v's layout (a separate split of u
+        # made Triton convert its layout through shared memory).
         if STOCHASTIC:
-            w8 = tl.inline_asm_elementwise(E2M1_WORD_SR_ASM, E2M1_WORD_SR_CONSTRAINTS, [v, u],
-                                           dtype=tl.int32, is_pure=True, pack=8)
+            vu = (u.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | v.to(tl.uint32, bitcast=True).to(tl.uint64)
+            w0, w1, w2, w3, w4, w5, w6, w7 = split8(vu)
+            w, _, _, _, _, _, _, _ = tl.inline_asm_elementwise(E2M1_WORD_SR_ASM, E2M1_WORD_SR_CONSTRAINTS,
+                                                               [w0, w1, w2, w3, w4, w5, w6, w7],
+                                                               dtype=(tl.int32,) * 8, is_pure=True, pack=1)
         else:
-            w8 = tl.inline_asm_elementwise(E2M1_WORD_ASM, E2M1_WORD_CONSTRAINTS, [v],
-                                           dtype=tl.int32, is_pure=True, pack=8)
-        w, _, _, _, _, _, _, _ = split8(w8)
-        return w.to(tl.uint32, bitcast=True)
-    elif COMPILED:
-        # fp32 inputs: a group of 8 is two vectors, not consecutive registers; the 8 values go in as
-        # separate tensors (the same PTX, operands $8.. of one instance each)
-        v0, v1, v2, v3, v4, v5, v6, v7 = split8(v)
-        if STOCHASTIC:
-            u0, u1, u2, u3, u4, u5, u6, u7 = split8(u)
-            w, _, _, _, _, _, _, _ = tl.inline_asm_elementwise(
-                E2M1_WORD_SR_ASM, E2M1_WORD_SR_CONSTRAINTS,
-                [v0, v1, v2, v3, v4, v5, v6, v7, u0, u1, u2, u3, u4, u5, u6, u7],
-                dtype=(tl.int32,) * 8, is_pure=True, pack=1)
-        else:
-            w, _, _, _, _, _, _, _ = tl.inline_asm_elementwise(
-                E2M1_WORD_ASM, E2M1_WORD_CONSTRAINTS, [v0, v1, v2, v3, v4, v5, v6, v7],
-                dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+            b0, b1, b2, b3, b4, b5, b6, b7 = split8(v.to(tl.uint32, bitcast=True))
+            w, _, _, _, _, _, _, _ = tl.inline_asm_elementwise(E2M1_WORD_ASM, E2M1_WORD_CONSTRAINTS,
+                                                               [b0, b1, b2, b3, b4, b5, b6, b7],
+                                                               dtype=(tl.int32,) * 8, is_pure=True, pack=1)
         return w.to(tl.uint32, bitcast=True)
     else:
         nib = e2m1_nibbles(v, u, STOCHASTIC, COMPILED)
@@ -489,8 +488,8 @@ def uniform_blocks(seed, rows64, col0, K, NB: tl.constexpr, G: tl.constexpr, N_R
     ``(col % 8) // 2``, bits 7..22 for even elements and the other 16 (bits 23..31 and 0..6, by a
     rotation) for odd ones, as the mantissa of ``u1`` under the exponent of 1 (one logic op, no
     shift or conversion for even elements; the rounding helpers take ``u1`` as it is). The chance of
-    rounding up is then ``frac`` rounded to a multiple of 2**-16, centred (|bias| <= 2**-17). A group
-    of 8 is one thread's vector: Philox runs once per group and the lanes are picked statically.
+    rounding up is then ``frac`` rounded to a multiple of 2**-16, centred (|bias| <= 2**-17). Philox
+    runs once per group of 8, which one thread holds, and the lanes are picked statically.
     """
     groups = col0 // 8 + tl.arange(0, NB)[:, None, None, None] * G + tl.arange(0, G)[None, None, :, None]
     r0, r1, r2, r3 = philox4x32(seed, rows64[None, :, None, None] * (K // 8) + groups, N_ROUNDS, COMPILED)

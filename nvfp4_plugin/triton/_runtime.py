@@ -156,7 +156,8 @@ def grid2(rows: int, cols: int, bm: int, bk: int) -> tuple[int, int]:
     return (triton.cdiv(rows, bm), triton.cdiv(cols, bk))
 
 
-#: Order of the programs of a ``row blocks x K tiles`` launch (one 1-D grid). ``"m"`` (the measured
+#: Order of the programs of a ``row blocks x K tiles`` launch (which of the two goes on grid axis 0,
+#: the one the hardware schedules first). ``"m"`` (the measured
 #: default): consecutive row blocks of one K tile, so each program's output is a ``BLOCK_K``-wide strip
 #: far from its neighbours' (256 packed bytes per row at K tiles of 512). ``"k"``: row-major,
 #: consecutive programs walk one row block's K tiles and the resident programs read and write adjacent
@@ -165,23 +166,25 @@ def grid2(rows: int, cols: int, bm: int, bk: int) -> tuple[int, int]:
 PROGRAM_ORDER = "m"
 
 
+#: CUDA's limit on grid axes 1 and 2.
+MAX_GRID_Y = 65535
+
+
 def tile_grid(rows: int, cols: int, bm: int, bk: int, kernel: str = "*") -> tuple[tuple[int, int], int, int, bool]:
     """(2-D grid, row blocks, K tiles, K-fastest) for a kernel that finds its tile with
     ``_jit_numerics.tile_ids``. Grid axis 0 (the one the hardware schedules first) is the fast one;
-    ``"k"`` order falls back to ``"m"`` when the row blocks exceed the 65535 limit of axis 1."""
+    an order whose slow axis would exceed the 65535 limit of axis 1 takes the other order."""
     n_m, n_k = grid2(rows, cols, bm, bk)
     ov = _overrides(kernel)
     order = ov.get("order", PROGRAM_ORDER)
     if order not in ("k", "m"):
         raise ValueError(f"order: expected 'k' or 'm', got {order!r}")
-    if n_k > MAX_GRID_Y:
-        raise ValueError(f"K: {cols} columns need {n_k} tiles of {bk}, more than the {MAX_GRID_Y} of a grid axis")
     k_fast = order == "k" and n_m <= MAX_GRID_Y
+    if not k_fast and n_k > MAX_GRID_Y:  # axis 1 cannot hold the K tiles: they go on axis 0
+        if n_m > MAX_GRID_Y:
+            raise ValueError(f"x: {rows} x {cols} needs {n_m} x {n_k} tiles of {bm} x {bk}, more than a grid holds")
+        k_fast = True
     return ((n_k, n_m) if k_fast else (n_m, n_k)), n_m, n_k, k_fast
-
-
-#: CUDA's limit on grid axes 1 and 2.
-MAX_GRID_Y = 65535
 
 
 __all__ = ["LAUNCH_OPTIONS", "interpreting", "interpreter_problem", "check_device", "hw_fp8", "as_kernel_tensor", "tile", "tile_override", "vector_elems",

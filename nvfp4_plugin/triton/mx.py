@@ -59,7 +59,7 @@ def _mx_kernel(x_ptr, out_ptr, scale_ptr, M, K, stride_xm, stride_om, stride_sm,
                 r = jn.grid_round(a, MBITS, EMIN_FIELD)
             y = jn.bits_f32(jn.f32_bits(r) | sbit) * jn.exp2i(e)[:, :, None, None]
         else:
-            jn.store_words(out_ptr, jn.e2m1_words(v, u, STOCHASTIC, COMPILED, VEC == 8), rows64, row_ok,
+            jn.store_words(out_ptr, jn.e2m1_words(v, u, STOCHASTIC, COMPILED), rows64, row_ok,
                            pid_k * (BLOCK_K // 8), K, stride_om, 1, 4, True)
     else:
         nan = v != v

@@ -56,7 +56,7 @@ def _nvfp4_kernel(x_ptr, out_ptr, scale_ptr, gs_ptr, M, K, stride_xm, stride_om,
             r = jn.grid_round(a, 1, 127)
         jn.store_block_tile(out_ptr, jn.nvfp4_dequant(r, sbit, s, gs), rows64, row_ok, pid_k * BLOCK_K, K, stride_om, 2)
     else:
-        jn.store_words(out_ptr, jn.e2m1_words(v, u, STOCHASTIC, COMPILED, VEC == 8), rows64, row_ok, pid_k * (BLOCK_K // 8), K,
+        jn.store_words(out_ptr, jn.e2m1_words(v, u, STOCHASTIC, COMPILED), rows64, row_ok, pid_k * (BLOCK_K // 8), K,
                        stride_om, 1, 2, True)
 
         kb = pid_k * NB + tl.arange(0, NB)[:, None]  # [NB, 1]

@@ -37,7 +37,7 @@ def _stage_kernel(h_ptr, xq_ptr, xsf_ptr, ids_ptr, w_ptr, ids_out_ptr, w_out_ptr
     # NVFP4 recipe with global scale 1: s = e4m3(vmax * fp32(1/6)), out_scale = 1 / s
     vmax = jn.block_amax(x, COMPILED)  # [NB, BM]; a NaN never raises a scale
     byte, s, out_scale = jn.nvfp4_block_scales(vmax, 1.0, 1.0, False, HW_FP8)
-    words = jn.e2m1_words(x * out_scale[:, :, None, None], 0.0, False, COMPILED, VEC == 8)
+    words = jn.e2m1_words(x * out_scale[:, :, None, None], 0.0, False, COMPILED)
     jn.store_words(xq_ptr, words, rows64, row_ok, pid_k * (BLOCK_K // 8), K, s_qm, s_qk, 2, WORDS)
 
     # four scale bytes per int32, group g in byte g % 4 (disjoint bit fields: the sum is the OR)
