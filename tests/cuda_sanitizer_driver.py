@@ -61,6 +61,13 @@ def main() -> int:
         eo = torch.tensor([0, 0, 37, 37, 150, 190], dtype=torch.int32, device="cuda")  # empty experts, 10 tail rows
         bo = nx.blockscale_offsets_from_expert_offsets(eo)
         ops.scaled_fp4_experts_quant(x, torch.rand(5, device="cuda") + 0.1, eo, bo)
+    # an input of 6 L2 sizes: the experts kernel's 8-row groups (csrc experts_uses_groups), padding columns
+    rows = (6 * l2) // (1040 * 2) + 165
+    x = torch.randn(rows, 1040, device="cuda").to(torch.bfloat16)
+    cuts = sorted(torch.randint(0, rows - 10, (4,)).tolist())
+    eo = torch.tensor([0, 0, *cuts, rows - 10], dtype=torch.int32, device="cuda")  # an empty expert, 10 tail rows
+    ops.scaled_fp4_experts_quant(x, torch.rand(6, device="cuda") + 0.1, eo, nx.blockscale_offsets_from_expert_offsets(eo))
+    del x
     done.append("scaled_fp4_experts_quant")
 
     for dtype in (torch.bfloat16, torch.float32):

@@ -112,10 +112,11 @@ def test_scaled_fp4_quant_degenerate_global_scales(cuda_ops, gs, scale_format):
         assert_same_bytes(s, s_ref, f"scales gs={gs} {dtype} {scale_format}")
 
 
-def _row_group_rows(k: int, elem: int) -> int:
-    """A row count (not a multiple of 128) whose input is past csrc dense_uses_groups' 3 x L2 threshold."""
+def _row_group_rows(k: int, elem: int, l2_times: int = 3) -> int:
+    """A row count (not a multiple of 128) whose input is past an ``l2_times`` x L2 threshold of csrc
+    (dense_uses_groups: 3, experts_uses_groups: 6)."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size or 50 << 20
-    return (3 * l2) // (k * elem) + 128 + 37
+    return (l2_times * l2) // (k * elem) + 128 + 37
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -181,6 +182,22 @@ def test_scaled_fp4_experts_quant_fuzz(cuda_ops, dtype):
                 what = f"experts e={e} m={m} k={k} {dtype}"
                 assert_same_bytes(q, q_ref, what + " codes")
                 assert_same_bytes(s, s_ref, what + " scales")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scaled_fp4_experts_quant_large_row_groups(cuda_ops, dtype):
+    """Inputs of 6 x L2 take the experts kernel's 8-row groups over the scale rows (csrc
+    experts_uses_groups): empty experts, rows past the last offset, the scale tail, padding columns."""
+    k = 1040
+    m = _row_group_rows(k, torch.empty((), dtype=dtype).element_size(), l2_times=6)
+    eo = routing(m, 64, seed=11, tail=5).cuda()
+    bo = nx.blockscale_offsets_from_expert_offsets(eo)
+    x = activations(m, k, dtype, seed=12)
+    gs = torch.rand(64, device="cuda") * 500 + 1e-3
+    q, s = cuda_ops.scaled_fp4_experts_quant(x, gs, eo, bo)
+    q_ref, s_ref = ref.scaled_fp4_experts_quant(x, gs, eo, bo)
+    assert_same_bytes(q, q_ref, f"experts codes m={m} {dtype}")
+    assert_same_bytes(s, s_ref, f"experts scales m={m} {dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

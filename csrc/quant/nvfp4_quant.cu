@@ -69,6 +69,17 @@ bool dense_uses_groups(int64_t m_pad, int64_t k, int32_t kb_pad) {
   return kb_pad >= 32 && (m_pad <= 1024 || m_pad * k * int64_t(sizeof(T)) >= 3 * l2);
 }
 
+// The experts kernel takes the same 8-row groups (over its scale rows) where its input is >= 6x the L2
+// size (H200, E=256, 2026-11-25: 65536 x 4096 / 7168 rows 53 -> 56 / 52 -> 61% of copy, 262144 rows
+// 51-62 -> 66-70%; at 65536 x 2048, 5.4x L2, the row-block kernel kept 66% against 53%). Fewer rows
+// leave most scale rows as per-expert padding, which the row-block kernel's phase 2 zeroes 16 bytes at
+// a time (M=16 tokens: 7.5 us against 32 us in groups).
+template <typename T>
+bool experts_uses_groups(int64_t m, int64_t k, int32_t kb_pad) {
+  static const int64_t l2 = l2_cache_bytes();
+  return kb_pad >= 32 && m * k * int64_t(sizeof(T)) >= 6 * l2;
+}
+
 template <typename T, bool SWIZZLE, bool UE8M0, bool GROUPS>
 __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restrict__ in, const float* __restrict__ gsp,
                                                                uint8_t* __restrict__ out, uint8_t* __restrict__ sf,
@@ -255,6 +266,80 @@ __global__ void __launch_bounds__(kThreads)
       }
       return row - sb_lo < s_cnt;
     });
+  }
+}
+
+// Grouped by expert, in 8-row groups of the scale rows (experts_uses_groups): the dense GROUPS tiling
+// applied to the scale-row space [0, sf_rows). A CTA step quantizes 32 block columns x one 8-row group
+// (rows 2s, 2s+1, 2s+32, ... of a 128-row scale tile), so each 4-column scale sector is written whole
+// within one step. Every 128-row scale tile belongs to one expert (blockscale offsets are multiples of
+// 128): scale row r of expert e is input row eo[e] + (r - bo[e]) while that is below eo[e+1], else a
+// padding row (zero scale); rows outside [bo[0], bo[E]) are zero too. Every scale byte is written here,
+// so there is no zero-fill phase; input rows that no expert owns get zero codes in a short second loop.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    nvfp4_experts_groups_kernel(const T* __restrict__ in, const float* __restrict__ gsp,
+                                const int32_t* __restrict__ eo_g, const int32_t* __restrict__ bo_g,
+                                uint8_t* __restrict__ out, uint8_t* __restrict__ sf, int32_t m, int32_t k, int32_t kb,
+                                int32_t kb_pad, int num_experts, int32_t sf_rows) {
+  extern __shared__ int32_t smem[];
+  int32_t* eo = smem;
+  int32_t* bo = smem + num_experts + 1;
+  stage_to_smem(eo, eo_g, num_experts + 1);
+  stage_to_smem(bo, bo_g, num_experts + 1);
+  __syncthreads();
+  const int32_t b_first = bo[0], b_last = bo[num_experts];
+  const int32_t ty = int32_t(threadIdx.x) >> 5;  // tile: 32 block columns x kDenseGroupRows rows
+  const int32_t col = int32_t(blockIdx.x) * 32 + (int32_t(threadIdx.x) & 31);
+  if (ty < kDenseGroupRows && col < kb_pad) {
+    const uint32_t kt = uint32_t(kb_pad) >> 2;
+    const uint32_t colpart = swz_col(uint32_t(col));
+    const Slice grp_rows = row_slice(uint32_t(sf_rows) / kDenseGroupRows, 1);
+    const uint32_t sub = (uint32_t(ty) & 1u) + 32u * (uint32_t(ty) >> 1);
+    int32_t lo = 0, hi = 0, base = 0, cnt = 0;  // cached expert: scale rows [lo, hi) <- input rows base + [0, cnt)
+    float gs = 0.0f, inv_gs = 0.0f;
+    for (uint32_t grp = grp_rows.begin; grp < grp_rows.end; ++grp) {
+      if (int64_t(128u * (grp >> 4)) >= int64_t(b_last)) break;  // the tail tiles: zeroed in bulk below
+      const int32_t r = int32_t(128u * (grp >> 4) + 2u * (grp & 15u) + sub);
+      uint8_t s = 0;
+      if (r >= b_first && r < b_last && col < kb) {
+        if (r < lo || r >= hi) {
+          const int e = find_segment(bo, num_experts, r);
+          lo = bo[e];
+          hi = bo[e + 1];
+          base = eo[e];
+          cnt = eo[e + 1] - base;
+          gs = __ldg(gsp + e);
+          inv_gs = rcp_or_zero(gs);
+        }
+        const int32_t row = base + (r - lo);
+        if (r - lo < cnt && row >= 0 && row < m) {
+          s = quant_block_at<T, false>(in + int64_t(row) * k + col * 16, out + int64_t(row) * (k / 2) + col * 8, gs,
+                                       OutScaleDirect<false>{inv_gs});
+        }
+      }
+      sf[swz_row(uint32_t(r), kt) + colpart] = s;
+    }
+  }
+  // 128-row scale tiles from the first one past bo[E] to sf_rows: contiguous bytes, zeroed 16 at a time
+  const uint32_t tile_bytes = (uint32_t(kb_pad) >> 2) * 512u;
+  const uint32_t tail_tile = uint32_t(min(max((b_last + 127) / 128, 0), sf_rows / 128));
+  const uint32_t tail_chunks = (uint32_t(sf_rows / 128) - tail_tile) * (tile_bytes / 16u);
+  if (tail_chunks > 0) {
+    uint4* tail = reinterpret_cast<uint4*>(sf + size_t(tail_tile) * tile_bytes);
+    const Slice ts = cta_slice(tail_chunks);
+    for (uint32_t i = ts.begin + threadIdx.x; i < ts.end; i += blockDim.x) tail[i] = make_uint4(0, 0, 0, 0);
+  }
+  // input rows that no expert owns (before eo[0], from eo[E]): zero codes
+  const int32_t first = min(max(eo[0], 0), m), last = min(max(eo[num_experts], first), m);
+  const uint32_t outside = uint32_t(first) + uint32_t(m - last);
+  if (outside > 0) {
+    const Slice zs = cta_slice(outside * uint32_t(kb));
+    for (uint32_t i = zs.begin + threadIdx.x; i < zs.end; i += blockDim.x) {
+      const uint32_t ro = i / uint32_t(kb), c = i - ro * uint32_t(kb);
+      const int32_t row = ro < uint32_t(first) ? int32_t(ro) : last + int32_t(ro - uint32_t(first));
+      st8(out + int64_t(row) * (k / 2) + int64_t(c) * 8, make_uint2(0, 0));
+    }
   }
 }
 
@@ -577,6 +662,21 @@ cudaError_t launch_experts(const void* input, const float* gs, const int32_t* eo
   // out_scale tables when a thread has several rows to amortize the table build over
   const int use_tabs = uint64_t(m) >= uint64_t(4) * uint64_t(tile0.rows) * (gpu_ctas(num_sms, 4) / uint64_t((kb + tile0.cols - 1) / tile0.cols)) ? 1 : 0;
   const size_t smem = size_t(2) * (num_experts + 1) * sizeof(int32_t) + (use_tabs ? kMaxOutTabs * 256 * sizeof(float) : 0);
+  if (experts_uses_groups<T>(m, k, kb_pad)) {
+    const size_t gsmem = size_t(2) * (num_experts + 1) * sizeof(int32_t);
+    auto gkernel = nvfp4_experts_groups_kernel<T>;
+    if (gsmem > 48 * 1024) {
+      const cudaError_t err = cudaFuncSetAttribute(gkernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(gsmem));
+      if (err != cudaSuccess) return err;
+    }
+    static const int per_sm_groups = resident_ctas(gkernel, 2048 * sizeof(int32_t));
+    const Tile gtile{32, kDenseGroupRows};
+    const dim3 grid = tile_grid(gtile, kb_pad, uint64_t(sf_rows), 0, num_sms, per_sm_groups);
+    gkernel<<<grid, tile_threads(gtile), gsmem, stream>>>(static_cast<const T*>(input), gs, eo, bo, out, sf,
+                                                          int32_t(m), int32_t(k), kb, kb_pad, num_experts,
+                                                          int32_t(sf_rows));
+    return cudaGetLastError();
+  }
   auto kernel = nvfp4_experts_kernel<T>;
   if (smem > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
