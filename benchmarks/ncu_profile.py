@@ -13,8 +13,9 @@ necessary, or a low ceiling); low DRAM with high issue means it is instruction-b
 with long-scoreboard stalls means too few bytes are in flight (latency-bound).
 
 Cases are ``gemm:N:K:M`` (dense FP4-weight GEMM, selected config, or ``gemm:N:K:M:ss`` for the
-tuner's best shared-memory wgmma candidate) and ``triton:OP:M:K`` (Triton quantization kernels:
-``fp4``, ``mxfp4``, ``mxfp4fwd``).
+tuner's best shared-memory wgmma candidate), ``triton:OP:M:K`` (Triton quantization kernels:
+``fp4``, ``mxfp4``, ``mxfp4fwd``) and ``quant:OP:M:K`` (compiled quantizers: ``dense`` on M rows,
+``experts`` on M tokens x top-8 rows over 256 experts, as ``bench_quant.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import sys
 DEFAULT_CASES = ["gemm:28672:4096:1", "gemm:28672:4096:16", "gemm:28672:4096:256", "gemm:28672:4096:4096",
                  "gemm:2048:7168:1", "gemm:28672:4096:256:ss", "gemm:28672:4096:4096:ss",
                  "triton:fp4:8192:7168", "triton:mxfp4:8192:7168", "triton:mxfp4fwd:8192:7168"]
-KERNEL = {"gemm": "regex:w4_gemm", "triton": "regex:_nvfp4_kernel|_mx_kernel"}
+KERNEL = {"gemm": "regex:w4_gemm", "triton": "regex:_nvfp4_kernel|_mx_kernel", "quant": "regex:nvfp4_(experts|dense)"}
 WARMUP = 3
 SECTIONS = ["SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "SchedulerStats", "WarpStateStats"]
 STALLS = "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"
@@ -67,6 +68,27 @@ def drive(case: str) -> None:
         gs = torch.ones(1, device="cuda")
         fn = {"fp4": lambda: nvfp4.scaled_fp4_quant(x, gs), "mxfp4": lambda: mx.mxfp4_quantize(x),
               "mxfp4fwd": lambda: mx.mxfp4_forward(x)}[op]
+        for _ in range(WARMUP + 1):
+            fn()
+    elif kind == "quant":  # compiled quantizers: quant:dense:M:K, quant:experts:TOKENS:K (E=256, top-8, as bench_quant)
+        from nvfp4_plugin import _cuda_ops as c
+        from nvfp4_plugin import numerics as nx
+
+        op, m, k = rest[0], int(rest[1]), int(rest[2])
+        if op == "dense":
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            gs = torch.ones(1, device="cuda")
+            fn = lambda: c.scaled_fp4_quant(x, gs)  # noqa: E731
+        else:
+            rows = m * 8
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            g = torch.Generator(device="cuda").manual_seed(0)
+            counts = torch.bincount(torch.randint(0, 256, (rows,), device="cuda", generator=g), minlength=256)
+            eo = torch.zeros(257, dtype=torch.int32, device="cuda")
+            eo[1:] = torch.cumsum(counts, 0)
+            bo = nx.blockscale_offsets_from_expert_offsets(eo)
+            gs = torch.ones(256, device="cuda")
+            fn = lambda: c.scaled_fp4_experts_quant(x, gs, eo, bo)  # noqa: E731
         for _ in range(WARMUP + 1):
             fn()
     else:
