@@ -80,7 +80,7 @@ def store_f32(ptrs, v, mask):
 
 
 @triton.jit
-def tile_ids(n_m, n_k, K_FAST: tl.constexpr):
+def tile_ids(K_FAST: tl.constexpr):
     """(row block, K tile) of this program in the 2-D grid of ``_runtime.tile_grid``: axis 0 is the
     fast one (K tiles when ``K_FAST``, else row blocks), so no integer division is needed."""
     if K_FAST:
@@ -542,15 +542,11 @@ def philox4x32(seed, offset, N_ROUNDS: tl.constexpr, COMPILED: tl.constexpr):
         k1 = tl.full(offset.shape, 0, tl.uint32) + (s >> 32).to(tl.uint32)
         c0 = offset.to(tl.uint32)
         c1 = (offset >> 32).to(tl.uint32)
-        if N_ROUNDS == 10:
-            r0, r1, r2, r3 = tl.inline_asm_elementwise(PHILOX_10_ASM, "=r,=r,=r,=r,r,r,r,r", [c0, c1, k0, k1],
-                                                       dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
-                                                       is_pure=True, pack=1)
-        else:
-            tl.static_assert(N_ROUNDS == 7, "philox4x32: 10 or 7 rounds")
-            r0, r1, r2, r3 = tl.inline_asm_elementwise(PHILOX_7_ASM, "=r,=r,=r,=r,r,r,r,r", [c0, c1, k0, k1],
-                                                       dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
-                                                       is_pure=True, pack=1)
+        tl.static_assert(N_ROUNDS == 10 or N_ROUNDS == 7, "philox4x32: 10 or 7 rounds")
+        asm: tl.constexpr = PHILOX_10_ASM if N_ROUNDS == 10 else PHILOX_7_ASM
+        r0, r1, r2, r3 = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r,r", [c0, c1, k0, k1],
+                                                   dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+                                                   is_pure=True, pack=1)
     else:
         r0, r1, r2, r3 = tl.randint4x(seed, offset, N_ROUNDS)
         r0 = r0.to(tl.uint32, bitcast=True)

@@ -27,15 +27,15 @@ _FORMATS = {
 }
 
 
-@triton.jit(do_not_specialize=["seed", "n_m", "n_k"])
-def _mx_kernel(x_ptr, out_ptr, scale_ptr, M, K, stride_xm, stride_om, stride_sm, seed, n_m, n_k,
+@triton.jit(do_not_specialize=["seed"])
+def _mx_kernel(x_ptr, out_ptr, scale_ptr, M, K, stride_xm, stride_om, stride_sm, seed,
                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                FMT: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                EMIN_FIELD: tl.constexpr, RCEIL: tl.constexpr, FAKE: tl.constexpr, STOCHASTIC: tl.constexpr,
                N_ROUNDS: tl.constexpr, HW_FP8: tl.constexpr, COMPILED: tl.constexpr, K_FAST: tl.constexpr,
                VEC: tl.constexpr):
     NB: tl.constexpr = BLOCK_K // 32
-    pid_m, pid_k = jn.tile_ids(n_m, n_k, K_FAST)
+    pid_m, pid_k = jn.tile_ids(K_FAST)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     rows64 = rows.to(tl.int64)
@@ -118,10 +118,10 @@ def _run(x: torch.Tensor, fmt: str, *, fake: bool, scale_recipe: str, stochastic
         fid, fmax, emax, mbits, bias, emin_field = _FORMATS[fmt]
         bm, bk, warps = rt.tile("mx", k, nx.MX_BLOCK_SIZE)
         kout = rt.as_kernel_tensor(out) if fake else out.view(torch.uint8)
-        grid, n_m, n_k, k_fast = rt.tile_grid(m, k, bm, bk, "mx")
+        grid, _, _, k_fast = rt.tile_grid(m, k, bm, bk, "mx")
         _mx_kernel[grid](
             rt.as_kernel_tensor(x2), kout, kout if scales is None else scales, m, k, x2.stride(0), kout.stride(0),
-            0 if scales is None else scales.stride(0), seed, n_m, n_k,
+            0 if scales is None else scales.stride(0), seed,
             BLOCK_M=bm, BLOCK_K=bk, FMT=fid, FMAX=fmax, EMAX=emax, MBITS=mbits, BIAS=bias, EMIN_FIELD=emin_field,
             RCEIL=scale_recipe == "rceil", FAKE=fake, STOCHASTIC=bool(stochastic_rounding),
             N_ROUNDS=rt.philox_rounds(), HW_FP8=rt.hw_fp8(x.device), COMPILED=not rt.interpreting(), K_FAST=k_fast,

@@ -24,14 +24,14 @@ from . import _jit_numerics as jn
 from . import _runtime as rt
 
 
-@triton.jit(do_not_specialize=["seed", "n_m", "n_k"])
+@triton.jit(do_not_specialize=["seed"])
 def _nvfp4_kernel(x_ptr, out_ptr, scale_ptr, gs_ptr, M, K, stride_xm, stride_om, stride_sm, m_cover, kb_cover,
-                  k_tiles, seed, n_m, n_k, K_FAST: tl.constexpr,
+                  k_tiles, seed, K_FAST: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FAKE: tl.constexpr, SWIZZLE: tl.constexpr,
                   UE8M0: tl.constexpr, STOCHASTIC: tl.constexpr, N_ROUNDS: tl.constexpr, HW_FP8: tl.constexpr,
                   COMPILED: tl.constexpr, VEC: tl.constexpr):
     NB: tl.constexpr = BLOCK_K // 16
-    pid_m, pid_k = jn.tile_ids(n_m, n_k, K_FAST)
+    pid_m, pid_k = jn.tile_ids(K_FAST)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     rows64 = rows.to(tl.int64)
@@ -92,11 +92,11 @@ def _launch(x2: torch.Tensor, out: torch.Tensor, scales: torch.Tensor | None, gs
     bm, bk, warps = rt.tile("nvfp4", k, nx.NVFP4_BLOCK_SIZE)
     m_cover = m if m_cover is None else m_cover
     kb_cover = k // 16 if kb_cover is None else kb_cover
-    grid, n_m, n_k, k_fast = rt.tile_grid(m_cover, max(k, kb_cover * 16), bm, bk, "nvfp4")
+    grid, _, _, k_fast = rt.tile_grid(m_cover, max(k, kb_cover * 16), bm, bk, "nvfp4")
     _nvfp4_kernel[grid](
         rt.as_kernel_tensor(x2), out, out if scales is None else scales, gs_buf,
         m, k, x2.stride(0), out.stride(0), 0 if scales is None or swizzle else scales.stride(0), m_cover, kb_cover,
-        triton.cdiv(kb_cover, 4), seed, n_m, n_k, K_FAST=k_fast,
+        triton.cdiv(kb_cover, 4), seed, K_FAST=k_fast,
         BLOCK_M=bm, BLOCK_K=bk, FAKE=fake, SWIZZLE=swizzle, UE8M0=ue8m0, STOCHASTIC=stochastic,
         N_ROUNDS=rt.philox_rounds(), HW_FP8=rt.hw_fp8(x2.device), COMPILED=not rt.interpreting(),
         VEC=rt.vector_elems(x2), num_warps=warps,

@@ -21,13 +21,13 @@ from . import _jit_numerics as jn
 from . import _runtime as rt
 
 
-@triton.jit(do_not_specialize=["n_m", "n_k"])
-def _stage_kernel(h_ptr, xq_ptr, xsf_ptr, ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, M, K, TOPK, n_m, n_k,
+@triton.jit
+def _stage_kernel(h_ptr, xq_ptr, xsf_ptr, ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, M, K, TOPK,
                   s_hm, s_hk, s_qm, s_qk, s_sfm, s_sfk, s_im, s_ik, s_wm, s_wk, s_iom, s_iok, s_wom, s_wok,
                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, HW_FP8: tl.constexpr,
                   COMPILED: tl.constexpr, K_FAST: tl.constexpr, WORDS: tl.constexpr, VEC: tl.constexpr):
     NB: tl.constexpr = BLOCK_K // 16
-    pid_m, pid_k = jn.tile_ids(n_m, n_k, K_FAST)
+    pid_m, pid_k = jn.tile_ids(K_FAST)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     rows64 = rows.to(tl.int64)
@@ -77,10 +77,10 @@ def stage_deepseek_v4_mega_moe_inputs(hidden_states: torch.Tensor, topk_weights:
         return
     h, xq = hidden_states, x_fp4
     bm, bk, warps = rt.tile("staging", k, 128, min_block_k=128)
-    grid, n_m, n_k, k_fast = rt.tile_grid(m, k, bm, bk, "staging")
+    grid, _, _, k_fast = rt.tile_grid(m, k, bm, bk, "staging")
     _stage_kernel[grid](
         rt.as_kernel_tensor(h), xq, x_sf, topk_ids, rt.as_kernel_tensor(topk_weights),
-        topk_idx_out, rt.as_kernel_tensor(topk_weights_out), m, k, top_k, n_m, n_k,
+        topk_idx_out, rt.as_kernel_tensor(topk_weights_out), m, k, top_k,
         h.stride(0), h.stride(1), xq.stride(0), xq.stride(1), x_sf.stride(0), x_sf.stride(1),
         topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1),
         topk_idx_out.stride(0), topk_idx_out.stride(1), topk_weights_out.stride(0), topk_weights_out.stride(1),
