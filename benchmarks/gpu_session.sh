@@ -2,10 +2,12 @@
 # One GPU-machine call that runs the named steps and packs every log and result into $OUT/session.tgz
 # (the device tool returns at most 8 files). Usage: bash benchmarks/gpu_session.sh STEP...
 #   build     build nvfp4_plugin._C for sm_90a in place (system torch)
-#   tests     every gpu-marked test (pytest -m gpu), or those in $GPU_TESTS
+#   tests     every gpu-marked test (pytest -m gpu), or those in $GPU_TESTS; tests@VAR=VALUE[+VAR=VALUE] with env vars
 #   pytest    all tests (any marker) of the files in $PYTEST_FILES, on the GPU
 #   sanitize  compute-sanitizer memcheck + racecheck over the compiled ops, then over the Triton kernels
-#   sanitize-triton  the Triton part alone
+#   sanitize-triton  the Triton part alone; sanitize-cuda the compiled-ops part alone
+#   bench-quant@VAR=VALUE[+VAR=VALUE][@op,op]  bench-quant with env vars set (and these --ops, which come after
+#             $BENCH_QUANT_ARGS'), e.g. bench-quant@NVFP4_PLUGIN_QUANT_TILING=rows@nvfp4_masked_silu
 #   bench-quant / bench-triton / bench-gemm / bench-quantize   the benchmark scripts
 #   tune-gemm tune_gemm.py into a copy of the package configs under $R/configs, used by the later steps
 #             ($TUNE_KINDS, default dense,grouped,masked; $TUNE_BUDGET_S, default 420; $TUNE_ARGS more
@@ -35,14 +37,26 @@ sanitize_triton() {
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$R/gpu.txt" 2>&1
 for s in "$@"; do
   case "$s" in
-    build) step build python3 setup.py build_ext --inplace ;;
+    build) PYTHONPATH="$PWD" step build python3 setup.py build_ext --inplace ;;  # box packages only
     tests) NVFP4_PLUGIN_REQUIRE_EXT=1 step tests python3 -m pytest -q -rs -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} ;;
+    tests@*=*)  # tests@VAR=VALUE[+VAR=VALUE]: the tests step with env vars set (e.g. a forced kernel variant)
+      kv="${s#tests@}"
+      NVFP4_PLUGIN_REQUIRE_EXT=1 step "tests-${kv//[^A-Za-z0-9=]/_}" env ${kv//+/ } python3 -m pytest -q -rs -m gpu \
+        -p no:cacheprovider ${GPU_TESTS:-tests} ;;
     pytest) NVFP4_PLUGIN_REQUIRE_EXT=1 step pytest python3 -m pytest -q -rs -p no:cacheprovider $PYTEST_FILES ;;
     sanitize)
       step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py
       step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py
       sanitize_triton ;;
     sanitize-triton) sanitize_triton ;;
+    sanitize-cuda)
+      step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py
+      step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py ;;
+    bench-quant@*=*)  # bench-quant@VAR=VALUE[+VAR=VALUE][@op,op]: bench-quant with env vars set (csrc's benchmark knobs)
+      kv="${s#bench-quant@}"; ops=""
+      case "$kv" in *@*) ops="--ops ${kv#*@}"; ops="${ops//,/ }"; kv="${kv%%@*}" ;; esac
+      tag="${kv//[^A-Za-z0-9=]/_}"
+      step "bq-$tag" env ${kv//+/ } python3 benchmarks/bench_quant.py --out "$R/$tag" ${BENCH_QUANT_ARGS:-} $ops ;;
     diag-gemm) step diag-gemm python3 benchmarks/diag_gemm_tiles.py ;;
     bench-quant) step bench-quant python3 benchmarks/bench_quant.py --out "$R" ${BENCH_QUANT_ARGS:-} ;;
     bench-triton) step bench-triton python3 benchmarks/bench_triton_quant.py --out "$R/triton_quant_h200.md" ;;

@@ -15,7 +15,9 @@ with long-scoreboard stalls means too few bytes are in flight (latency-bound).
 Cases are ``gemm:N:K:M`` (dense FP4-weight GEMM, selected config, or ``gemm:N:K:M:ss`` for the
 tuner's best shared-memory wgmma candidate), ``triton:OP:M:K`` (Triton quantization kernels:
 ``fp4``, ``mxfp4``, ``mxfp4fwd``) and ``quant:OP:M:K`` (compiled quantizers: ``dense`` on M rows,
-``experts`` on M tokens x top-8 rows over 256 experts, as ``bench_quant.py``).
+``experts`` on M tokens x top-8 rows over 256 experts, ``masked`` SiLU-mul over 32 experts of M x 8 / 32
+rows, ``fp8group`` / ``fp8token`` per-token-group / per-token FP8, all as ``bench_quant.py``) and ``sgl:fp8group:M:K`` (sgl-kernel's
+per-token-group FP8 on the same input, with the SGLang bundle on ``PYTHONPATH``).
 """
 
 from __future__ import annotations
@@ -30,10 +32,13 @@ import sys
 DEFAULT_CASES = ["gemm:28672:4096:1", "gemm:28672:4096:16", "gemm:28672:4096:256", "gemm:28672:4096:4096",
                  "gemm:2048:7168:1", "gemm:28672:4096:256:ss", "gemm:28672:4096:4096:ss",
                  "triton:fp4:8192:7168", "triton:mxfp4:8192:7168", "triton:mxfp4fwd:8192:7168"]
-KERNEL = {"gemm": "regex:w4_gemm", "triton": "regex:_nvfp4_kernel|_mx_kernel", "quant": "regex:nvfp4_(experts|dense)"}
+KERNEL = {"gemm": "regex:w4_gemm", "triton": "regex:_nvfp4_kernel|_mx_kernel",
+          "quant": "regex:nvfp4_(experts|dense|masked)|fp8_(group|token)", "sgl": "regex:per_token_group"}
 WARMUP = 3
 SECTIONS = ["SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "SchedulerStats", "WarpStateStats"]
 STALLS = "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"
+#: DRAM traffic of the launch, to compare with the bytes the kernel must move (read-modify-writes show up here)
+BYTES = "dram__bytes_read.sum,dram__bytes_write.sum"
 #: details-page metric names kept in the summary (section "Metric Name" column)
 KEEP = ["Duration", "DRAM Throughput", "Memory Throughput", "Compute (SM) Throughput", "Issue Slots Busy",
         "Issued Warp Per Scheduler", "Achieved Occupancy", "Theoretical Occupancy", "Registers Per Thread",
@@ -79,6 +84,20 @@ def drive(case: str) -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             gs = torch.ones(1, device="cuda")
             fn = lambda: c.scaled_fp4_quant(x, gs)  # noqa: E731
+        elif op == "fp8group":
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            fn = lambda: c.per_token_group_quant_fp8(x)  # noqa: E731
+        elif op == "fp8token":
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            fn = lambda: c.per_token_quant_fp8(x)  # noqa: E731
+        elif op == "masked":
+            max_m = max(1, m * 8 // 32)
+            x = torch.randn(32, max_m, 2 * k, device="cuda", dtype=torch.bfloat16)
+            mask = torch.randint(max_m // 2, max_m + 1, (32,), device="cuda", dtype=torch.int32)
+            out = torch.empty((32, max_m, k // 2), dtype=torch.uint8, device="cuda")
+            sf = torch.empty((32, *nx.swizzled_scale_shape(max_m, k // 16)), dtype=torch.float8_e4m3fn, device="cuda")
+            gs = torch.ones(32, device="cuda")
+            fn = lambda: c.silu_and_mul_scaled_fp4_experts_quant(x, gs, mask, output=out, output_scale=sf)  # noqa: E731
         else:
             rows = m * 8
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -89,6 +108,15 @@ def drive(case: str) -> None:
             bo = nx.blockscale_offsets_from_expert_offsets(eo)
             gs = torch.ones(256, device="cuda")
             fn = lambda: c.scaled_fp4_experts_quant(x, gs, eo, bo)  # noqa: E731
+        for _ in range(WARMUP + 1):
+            fn()
+    elif kind == "sgl":  # sgl:fp8group:M:K, as bench_quant's sgl-kernel peer
+        import bench_quant as bq
+
+        m, k = int(rest[1]), int(rest[2])
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        peer = bq.load_peers()["peers"]["sgl_kernel.fp8_group"]
+        fn = lambda: peer(x)  # noqa: E731
         for _ in range(WARMUP + 1):
             fn()
     else:
@@ -104,7 +132,8 @@ def run_ncu(case: str, out_dir: str) -> tuple[str, str]:
     me = [sys.executable, os.path.abspath(__file__), "--drive", case]
     details = subprocess.run(base + [a for s in SECTIONS for a in ("--section", s)] + ["--page", "details"] + me,
                              capture_output=True, text=True)
-    stalls = subprocess.run(base + ["--metrics", STALLS, "--page", "raw"] + me, capture_output=True, text=True)
+    stalls = subprocess.run(base + ["--metrics", STALLS + "," + BYTES, "--page", "raw"] + me, capture_output=True,
+                            text=True)
     for name, r in (("details", details), ("stalls", stalls)):
         with open(os.path.join(out_dir, f"{tag}.{name}.csv"), "w") as f:
             f.write(r.stdout)
@@ -132,6 +161,20 @@ def parse_details(text: str) -> dict[str, str]:
         if len(r) > i_val and r[i_name] in KEEP and r[i_name] not in out:
             out[r[i_name]] = f"{r[i_val]} {r[i_unit]}".strip()
     return out
+
+
+def parse_bytes(text: str) -> str:
+    """'read R MB, write W MB' of the raw page (units as ncu prints them)."""
+    rows = _csv_rows(text)
+    if len(rows) < 3:
+        return "-"
+    head, units, vals = rows[0], rows[1], rows[-1]
+    got = []
+    for name, what in (("dram__bytes_read.sum", "read"), ("dram__bytes_write.sum", "write")):
+        if name in head:
+            i = head.index(name)
+            got.append(f"{what} {vals[i]} {units[i]}".strip())
+    return ", ".join(got) or "-"
 
 
 def parse_stalls(text: str, top: int = 4) -> str:
@@ -162,11 +205,12 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     cols = ["Duration", "DRAM Throughput", "Compute (SM) Throughput", "Issue Slots Busy", "Achieved Occupancy",
             "Registers Per Thread", "Grid Size", "Warp Cycles Per Issued Instruction"]
-    lines = ["| case | " + " | ".join(cols) + " | top stalls (warps per issue) |", "|---|" + "---|" * (len(cols) + 1)]
+    lines = ["| case | " + " | ".join(cols) + " | DRAM bytes | top stalls (warps per issue) |",
+             "|---|" + "---|" * (len(cols) + 2)]
     for case in args.cases:
         d, s = run_ncu(case, args.out)
         m = parse_details(d)
-        lines.append(f"| {case} | " + " | ".join(m.get(c, "-") for c in cols) + f" | {parse_stalls(s)} |")
+        lines.append(f"| {case} | " + " | ".join(m.get(c, "-") for c in cols) + f" | {parse_bytes(s)} | {parse_stalls(s)} |")
         print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, "summary.md"), "w") as f:
