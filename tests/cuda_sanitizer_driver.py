@@ -98,6 +98,9 @@ def main() -> int:
         ops.per_token_group_quant_fp8(xg, column_major_scales=True)
         ops.per_token_group_quant_fp8(xg, column_major_scales=True, scale_ue8m0=True)
         ops.per_token_group_quant_fp8(act(3, 64, dtype, 9), 16)
+        # group 128 with a partial last warp (units % 32 == 8), and a large input
+        ops.per_token_group_quant_fp8(act(3, 128, dtype, 10))
+        ops.per_token_group_quant_fp8(act(4099, 7168, dtype, 11), column_major_scales=True, scale_ue8m0=True)
     done += ["scaled_fp8_quant", "per_token_quant_fp8", "per_token_group_quant_fp8"]
 
     torch.cuda.synchronize()

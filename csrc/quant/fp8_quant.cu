@@ -46,64 +46,85 @@ __device__ __forceinline__ float group_max(float v, int width) {
 
 __device__ __forceinline__ float warp_max(float v) { return group_max(v, 32); }
 
-// ------------------------------------------------------------------------------------------------
-// Per-token-group: one thread per 16 values; tpg = group_size / 16 consecutive lanes share a group
-// and read it chunk-interleaved (lane l takes chunks l, l + tpg, ...), so a warp reads 512
-// contiguous bytes per load instruction; the group amax is a shuffle reduction over tpg lanes.
-// ------------------------------------------------------------------------------------------------
-template <typename T, GroupScaleLayout LAYOUT>
-__global__ void __launch_bounds__(kThreads)
-    fp8_group_kernel(const T* __restrict__ in, uint8_t* __restrict__ out, void* __restrict__ scales, int32_t m,
-                     int32_t groups_per_row, int32_t group_size, int32_t tpg, float eps, int32_t scale_stride,
-                     uint32_t threads_total, FastDiv gpr_div) {
-  constexpr int kE = Chunk<T>::kElems;
-  constexpr int kNC = 16 / kE;
-  const Slice sl = cta_slice(threads_total);
-  for (uint32_t t = sl.begin + threadIdx.x; t < sl.end; t += blockDim.x) {
-    const uint32_t group = t / uint32_t(tpg);  // tpg is a power of two
-    const int32_t lane = int32_t(t & uint32_t(tpg - 1));
-    const int64_t base = int64_t(group) * group_size;
-    float x[16];
-#pragma unroll
-    for (int j = 0; j < kNC; ++j) {
-      const uint4 c = ld_nc16(in + base + int64_t(j * tpg + lane) * kE);
-      chunk_to_float(c, static_cast<const T*>(nullptr), x + j * kE);
+// The scale of `group` (row-major index over [m, groups_per_row]) into its layout; the last row's
+// writer also fills the storage padding (column-major rows m..scale_stride-1, unused UE8M0 bytes).
+template <GroupScaleLayout LAYOUT>
+__device__ __forceinline__ void store_group_scale(void* scales, uint32_t bits, uint32_t group, int32_t m,
+                                                  int32_t groups_per_row, int32_t scale_stride, FastDiv gpr_div) {
+  if (LAYOUT == GroupScaleLayout::kRowMajorF32) {
+    static_cast<float*>(scales)[group] = u2f(bits);
+    return;
+  }
+  const int32_t row = int32_t(fdiv(gpr_div, group));
+  const int32_t g = int32_t(group) - row * groups_per_row;
+  if (LAYOUT == GroupScaleLayout::kColMajorF32) {
+    float* s = static_cast<float*>(scales);
+    s[int64_t(g) * scale_stride + row] = u2f(bits);
+    if (row == m - 1) {  // storage padding rows
+      for (int32_t r = m; r < scale_stride; ++r) s[int64_t(g) * scale_stride + r] = 0.0f;
     }
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));
-    amax = inf_as_max(group_max(amax, tpg));
-    const GroupScale gsc = fp8_group_scale<LAYOUT == GroupScaleLayout::kColMajorUE8M0>(amax, eps);
-#pragma unroll
-    for (int j = 0; j < kNC; ++j) {
-      uint32_t q[kE / 4];
-      quant_chunk<kE>(x + j * kE, gsc.mult, q);
-      store_q<kE>(out + base + int64_t(j * tpg + lane) * kE, q);
-    }
-    if (lane == 0) {
-      const int32_t row = int32_t(fdiv(gpr_div, group));
-      const int32_t g = int32_t(group) - row * groups_per_row;
-      if (LAYOUT == GroupScaleLayout::kRowMajorF32) {
-        static_cast<float*>(scales)[group] = u2f(gsc.bits);
-      } else if (LAYOUT == GroupScaleLayout::kColMajorF32) {
-        float* s = static_cast<float*>(scales);
-        s[int64_t(g) * scale_stride + row] = u2f(gsc.bits);
-        if (row == m - 1) {  // storage padding rows
-          for (int32_t r = m; r < scale_stride; ++r) s[int64_t(g) * scale_stride + r] = 0.0f;
-        }
-      } else {
-        uint8_t* s = static_cast<uint8_t*>(scales);
-        const int64_t word = int64_t(g >> 2) * scale_stride;
-        s[(word + row) * 4 + (g & 3)] = uint8_t(gsc.bits);
-        const int32_t g_end = g == groups_per_row - 1 ? ((g >> 2) + 1) * 4 : g + 1;  // unused bytes of the word
-        for (int32_t gg = g + 1; gg < g_end; ++gg) s[(word + row) * 4 + (gg & 3)] = 0;
-        if (row == m - 1) {
-          for (int32_t r = m; r < scale_stride; ++r) {
-            for (int32_t gg = g; gg < g_end; ++gg) s[(word + r) * 4 + (gg & 3)] = 0;
-          }
-        }
+  } else {
+    uint8_t* s = static_cast<uint8_t*>(scales);
+    const int64_t word = int64_t(g >> 2) * scale_stride;
+    s[(word + row) * 4 + (g & 3)] = uint8_t(bits);
+    const int32_t g_end = g == groups_per_row - 1 ? ((g >> 2) + 1) * 4 : g + 1;  // unused bytes of the word
+    for (int32_t gg = g + 1; gg < g_end; ++gg) s[(word + row) * 4 + (gg & 3)] = 0;
+    if (row == m - 1) {
+      for (int32_t r = m; r < scale_stride; ++r) {
+        for (int32_t gg = g; gg < g_end; ++gg) s[(word + r) * 4 + (gg & 3)] = 0;
       }
     }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Per-token-group: one thread per unit of 16 consecutive values (one 16-byte store of codes); tpg =
+// group_size / 16 consecutive lanes share a group, whose amax is a shuffle reduction over them.
+// One unit per thread in small CTAs (kGroupThreads): measured on the H200 (2026-11-25), 4 or 2 units
+// per thread with all loads issued first were 2-10% slower at M >= 1024 (fewer resident warps), and
+// 256-thread CTAs cost 0.2-0.3 us at M <= 16 (two warps per scheduler on fewer SMs). kTpg = 8 is
+// group 128 with an unrolled reduction; 0 takes tpg from tpg_log2.
+// ------------------------------------------------------------------------------------------------
+constexpr int kGroupThreads = 128;
+
+template <int kTpg>
+__device__ __forceinline__ float group_amax(float v, int32_t tpg_log2) {
+  if constexpr (kTpg > 0) {
+    static_assert(kTpg < 32, "a group's lanes, not the whole warp: the last warp may be partial");
+    const uint32_t mask = ((1u << kTpg) - 1) << ((threadIdx.x & 31) & ~uint32_t(kTpg - 1));
+#pragma unroll
+    for (int o = kTpg >> 1; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(mask, v, o, kTpg));
+    return v;
+  } else {
+    return group_max(v, 1 << tpg_log2);
+  }
+}
+
+template <typename T, GroupScaleLayout LAYOUT, int kTpg>
+__global__ void __launch_bounds__(kGroupThreads)
+    fp8_group_kernel(const T* __restrict__ in, uint8_t* __restrict__ out, void* __restrict__ scales, int32_t m,
+                     int32_t groups_per_row, int32_t tpg_log2, float eps, int32_t scale_stride, uint32_t units,
+                     FastDiv gpr_div) {
+  constexpr int kE = Chunk<T>::kElems;
+  constexpr int kNC = 16 / kE;
+  const uint32_t t = blockIdx.x * uint32_t(kGroupThreads) + threadIdx.x;
+  if (t >= units) return;  // units is a multiple of tpg: the lanes of a group agree
+  uint4 raw[kNC];
+#pragma unroll
+  for (int j = 0; j < kNC; ++j) raw[j] = ld_nc16(in + int64_t(t) * 16 + j * kE);
+  float x[16];
+#pragma unroll
+  for (int j = 0; j < kNC; ++j) chunk_to_float(raw[j], static_cast<const T*>(nullptr), x + j * kE);
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));
+  amax = inf_as_max(group_amax<kTpg>(amax, tpg_log2));
+  const GroupScale gsc = fp8_group_scale<LAYOUT == GroupScaleLayout::kColMajorUE8M0>(amax, eps);
+  uint32_t w[4];
+  quant_chunk<16>(x, gsc.mult, w);
+  st16(out + int64_t(t) * 16, make_uint4(w[0], w[1], w[2], w[3]));
+  if ((t & ((1u << tpg_log2) - 1)) == 0) {
+    store_group_scale<LAYOUT>(scales, gsc.bits, t >> tpg_log2, m, groups_per_row, scale_stride, gpr_div);
   }
 }
 
@@ -280,15 +301,15 @@ constexpr uint64_t kMaxUnits = (uint64_t(1) << 31) - 1;
 template <typename T, GroupScaleLayout L>
 cudaError_t launch_group(const void* input, void* scales, uint8_t* out, int64_t m, int64_t k, int group_size,
                          float eps, int64_t scale_stride, int num_sms, cudaStream_t stream) {
-  const int tpg = group_size / 16;
-  const uint64_t threads = uint64_t(m) * uint64_t(k) / 16;
-  if (threads > kMaxUnits) return cudaErrorInvalidValue;
-  auto kernel = fp8_group_kernel<T, L>;
-  static const int per_sm = resident_ctas(kernel);
-  (void)per_sm;
-  kernel<<<int((threads + kThreads - 1) / kThreads > 0 ? (threads + kThreads - 1) / kThreads : 1), kThreads, 0, stream>>>(
-      static_cast<const T*>(input), out, scales, int32_t(m), int32_t(k / group_size), group_size, tpg, eps,
-      int32_t(scale_stride), uint32_t(threads), make_fastdiv(uint32_t(k / group_size)));
+  (void)num_sms;
+  const uint64_t units = uint64_t(m) * uint64_t(k) / 16;
+  if (units > kMaxUnits) return cudaErrorInvalidValue;
+  int tpg_log2 = 0;
+  while ((16 << tpg_log2) < group_size) ++tpg_log2;
+  auto kernel = group_size == 128 ? fp8_group_kernel<T, L, 8> : fp8_group_kernel<T, L, 0>;
+  kernel<<<unsigned((units + kGroupThreads - 1) / kGroupThreads), kGroupThreads, 0, stream>>>(
+      static_cast<const T*>(input), out, scales, int32_t(m), int32_t(k / group_size), tpg_log2, eps,
+      int32_t(scale_stride), uint32_t(units), make_fastdiv(uint32_t(k / group_size)));
   return cudaGetLastError();
 }
 
