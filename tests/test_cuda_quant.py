@@ -239,6 +239,35 @@ def test_masked_quant_fuzz(cuda_ops, dtype, use_silu_and_mul, given_outputs):
             assert_same_bytes(s, s_ref, what + " scales")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("use_silu_and_mul", [True, False])
+def test_masked_quant_large_row_groups(cuda_ops, dtype, use_silu_and_mul):
+    """Inputs of 3 x L2 take the masked kernel's 8-row groups over each expert's valid scale tiles (csrc
+    masked_uses_groups; bf16 SiLU with the table): masks 0, 1, 127, 128, 129, full, above max_m and
+    partial; padding columns (K=1040); outputs allocated (zero-filled) and given (rows past the mask
+    untouched)."""
+    e, k = 8, 1040
+    width = 2 * k if use_silu_and_mul else k
+    max_m = _row_group_rows(width, torch.empty((), dtype=dtype).element_size()) // e + 1
+    mask = torch.tensor([0, 1, 127, 128, 129, max_m, max_m + 5, max_m // 2 + 3], dtype=torch.int32).cuda()
+    x = activations(e * max_m, width, dtype, seed=21).reshape(e, max_m, width)
+    gs = torch.rand(e, device="cuda") * 100 + 1e-2
+    sw = (e, *nx.swizzled_scale_shape(max_m, k // 16))
+    for given in (False, True):
+        kw, kw_ref = {}, {}
+        if given:
+            out0 = torch.randint(0, 256, (e, max_m, k // 2), dtype=torch.uint8, device="cuda")
+            sf0 = torch.randint(0, 256, sw, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+            kw, kw_ref = dict(output=out0, output_scale=sf0), dict(output=out0.clone(), output_scale=sf0.clone())
+        q, s = cuda_ops.silu_and_mul_scaled_fp4_experts_quant(x, gs, mask, use_silu_and_mul=use_silu_and_mul, **kw)
+        q_ref, s_ref = ref.silu_and_mul_scaled_fp4_experts_quant(x, gs, mask, use_silu_and_mul=use_silu_and_mul,
+                                                                   **kw_ref)
+        what = f"masked groups max_m={max_m} {dtype} silu={use_silu_and_mul} given={given}"
+        assert_same_bytes(q, q_ref, what + " codes")
+        assert_same_bytes(s, s_ref, what + " scales")
+        del q, s, q_ref, s_ref, kw, kw_ref
+
+
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
 def test_silu_and_mul(cuda_ops, dtype):
     for rows, inner in ((1, 8), (7, 64), (300, 2048), (4099, 7168 // 2)):

@@ -117,15 +117,22 @@ __device__ __forceinline__ void stage_to_smem(int32_t* dst, const int32_t* src, 
   }
 }
 
-// Exclusive prefix sums of per-expert counts clamp(mask[e], 0, max_m) into prefix[0..E]
-// (prefix[E] = total). Uses `warp_sums` (32 ints of shared memory). Ends with __syncthreads().
+// Exclusive prefix sums of per-expert counts ceil(clamp(mask[e], 0, max_m) / kUnit) into prefix[0..E]
+// (prefix[E] = total): valid rows with kUnit = 1, 128-row scale tiles with kUnit = 128. Uses
+// `warp_sums` (32 ints of shared memory). Ends with __syncthreads().
+template <int kUnit = 1>
+__device__ __forceinline__ int32_t masked_count(const int32_t* mask, int e, int32_t max_m) {
+  return (min(max(__ldg(mask + e), 0), max_m) + kUnit - 1) / kUnit;
+}
+
+template <int kUnit = 1>
 __device__ __forceinline__ void masked_prefix(const int32_t* mask, int num_experts, int32_t max_m, int32_t* prefix,
                                               int32_t* warp_sums) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int per = (num_experts + blockDim.x - 1) / blockDim.x;
   const int lo = min(num_experts, tid * per), hi = min(num_experts, lo + per);
   int32_t local = 0;
-  for (int e = lo; e < hi; ++e) local += min(max(__ldg(mask + e), 0), max_m);
+  for (int e = lo; e < hi; ++e) local += masked_count<kUnit>(mask, e, max_m);
   int32_t incl = local;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
@@ -147,7 +154,7 @@ __device__ __forceinline__ void masked_prefix(const int32_t* mask, int num_exper
   int32_t run = incl - local + (warp > 0 ? warp_sums[warp - 1] : 0);
   for (int e = lo; e < hi; ++e) {
     prefix[e] = run;
-    run += min(max(__ldg(mask + e), 0), max_m);
+    run += masked_count<kUnit>(mask, e, max_m);
   }
   if (tid == blockDim.x - 1) prefix[num_experts] = run;
   __syncthreads();

@@ -9,6 +9,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "kernel_utils.cuh"
 #include "launch.h"
@@ -58,6 +60,25 @@ inline int64_t l2_cache_bytes() {
   return bytes;
 }
 
+// NVFP4_PLUGIN_QUANT_TILING=rows|groups forces the row-block or the 8-row-group tiling of the dense,
+// experts and masked kernels wherever both apply (swizzled scales, >= 32 block columns); unset or
+// "auto" keeps the measured choice. For benchmarks; read once per process.
+enum class TilingChoice { kAuto, kRows, kGroups };
+inline TilingChoice tiling_choice() {
+  static const TilingChoice c = [] {
+    const char* v = std::getenv("NVFP4_PLUGIN_QUANT_TILING");
+    if (v != nullptr && std::strcmp(v, "rows") == 0) return TilingChoice::kRows;
+    if (v != nullptr && std::strcmp(v, "groups") == 0) return TilingChoice::kGroups;
+    return TilingChoice::kAuto;
+  }();
+  return c;
+}
+
+inline bool groups_choice(bool can, bool measured) {
+  const TilingChoice c = tiling_choice();
+  return can && (c == TilingChoice::kAuto ? measured : c == TilingChoice::kGroups);
+}
+
 // Swizzled scales in 8-row groups pay off once the input streams several L2 sizes past the scale sectors
 // a row-at-a-time CTA leaves half-written (H200, 2026-11-25: 32768x7168 bf16 61% -> 82% of copy,
 // 32768x4096 75% -> 81%), and for up to 1024 rows, where the 32-column tile's extra CTAs cut latency
@@ -66,7 +87,7 @@ inline int64_t l2_cache_bytes() {
 template <typename T>
 bool dense_uses_groups(int64_t m_pad, int64_t k, int32_t kb_pad) {
   static const int64_t l2 = l2_cache_bytes();
-  return kb_pad >= 32 && (m_pad <= 1024 || m_pad * k * int64_t(sizeof(T)) >= 3 * l2);
+  return groups_choice(kb_pad >= 32, m_pad <= 1024 || m_pad * k * int64_t(sizeof(T)) >= 3 * l2);
 }
 
 // The experts kernel takes the same 8-row groups (over its scale rows) where its input is >= 6x the L2
@@ -77,7 +98,17 @@ bool dense_uses_groups(int64_t m_pad, int64_t k, int32_t kb_pad) {
 template <typename T>
 bool experts_uses_groups(int64_t m, int64_t k, int32_t kb_pad) {
   static const int64_t l2 = l2_cache_bytes();
-  return kb_pad >= 32 && m * k * int64_t(sizeof(T)) >= 6 * l2;
+  return groups_choice(kb_pad >= 32, m * k * int64_t(sizeof(T)) >= 6 * l2);
+}
+
+// The masked kernel takes the 8-row groups where its input (gate and up: 2 x K values per row) is
+// >= 16x the L2 size (H200, 32 experts, 2026-11-25: 1.9-3.8 GB 71-74% -> 75-79% of copy; 1.07 GB
+// equal; 235-537 MB 65-77% -> 53-67%, where the row slices are short enough that the scale sectors
+// stay in L2 anyway).
+template <typename T>
+bool masked_uses_groups(uint64_t rows, int64_t in_row, int32_t kb_pad) {
+  static const int64_t l2 = l2_cache_bytes();
+  return groups_choice(kb_pad >= 32, int64_t(rows) * in_row * int64_t(sizeof(T)) >= 16 * l2);
 }
 
 template <typename T, bool SWIZZLE, bool UE8M0, bool GROUPS>
@@ -443,6 +474,52 @@ __device__ __forceinline__ void masked_block16_tab(const MaskedRaw<T, SILU>& raw
   }
 }
 
+// With zero_fill, phases 2 and 3 of the masked kernels (all threads of the grid, 1-D): the code bytes
+// of rows past the mask, and every scale byte that no valid row writes (padding rows included).
+// `prefix` holds the valid rows before each expert (masked_prefix).
+__device__ __forceinline__ void masked_zero_fill(uint8_t* __restrict__ out, uint8_t* __restrict__ sf,
+                                                 const int32_t* prefix, int num_experts, int32_t max_m, int32_t k,
+                                                 int64_t sf_expert, FastDiv k16_div, FastDiv kt_div,
+                                                 FastDiv expert_chunks_div) {
+  const int32_t valid_rows = prefix[num_experts];
+  // Phase 2: code bytes of rows past the mask, 8 bytes per unit. The invalid rows before expert e,
+  // e * max_m - prefix[e], are non-decreasing in e, so a segment search finds a row's expert.
+  const uint32_t k16 = uint32_t(k) / 16;
+  const uint32_t invalid_rows = uint32_t(num_experts) * uint32_t(max_m) - uint32_t(valid_rows);
+  const Slice zs = cta_slice(invalid_rows * k16);
+  int32_t lo = 0, hi = 0, ex = 0;
+  for (uint32_t u = zs.begin + threadIdx.x; u < zs.end; u += blockDim.x) {
+    const int32_t v = int32_t(fdiv(k16_div, u));
+    const int32_t w = int32_t(u) - v * int32_t(k16);
+    if (v < lo || v >= hi) {
+      int a = 0, b = num_experts;  // largest e with e * max_m - prefix[e] <= v
+      while (b - a > 1) {
+        const int mid = (a + b) >> 1;
+        if (mid * max_m - prefix[mid] <= v) {
+          a = mid;
+        } else {
+          b = mid;
+        }
+      }
+      ex = a;
+      lo = ex * max_m - prefix[ex];
+      hi = (ex + 1) * max_m - prefix[ex + 1];
+    }
+    const int32_t r = (prefix[ex + 1] - prefix[ex]) + (v - lo);
+    st8(out + (int64_t(ex) * max_m + r) * (k / 2) + int64_t(w) * 8, make_uint2(0, 0));
+  }
+
+  // Phase 3: scale bytes of rows past the mask (padding rows included), per expert region.
+  const uint32_t per_expert = uint32_t(sf_expert / 16);
+  const Slice cs = cta_slice(per_expert * uint32_t(num_experts));
+  for (uint32_t c = cs.begin + threadIdx.x; c < cs.end; c += blockDim.x) {
+    const int32_t e = int32_t(fdiv(expert_chunks_div, c));
+    const int32_t rows_e = prefix[e + 1] - prefix[e];
+    zero_scale_chunk(sf + e * sf_expert, c - uint32_t(e) * per_expert, kt_div,
+                     [&](uint32_t r) { return int32_t(r) < rows_e; });
+  }
+}
+
 template <typename T, bool SILU, bool ZERO_FILL, bool TABLE = false>
 __global__ void __launch_bounds__(kThreads)
     nvfp4_masked_kernel(const T* __restrict__ in, const float* __restrict__ gsp, const int32_t* __restrict__ mask,
@@ -511,43 +588,72 @@ __global__ void __launch_bounds__(kThreads)
       raw = nraw;
     }
   }
-  if (!ZERO_FILL) return;
-
-  // Phase 2: code bytes of rows past the mask, 8 bytes per unit. The invalid rows before expert e,
-  // e * max_m - prefix[e], are non-decreasing in e, so a segment search finds a row's expert.
-  const uint32_t k16 = uint32_t(k) / 16;
-  const uint32_t invalid_rows = uint32_t(num_experts) * uint32_t(max_m) - uint32_t(valid_rows);
-  const Slice zs = cta_slice(invalid_rows * k16);
-  int32_t lo = 0, hi = 0, ex = 0;
-  for (uint32_t u = zs.begin + threadIdx.x; u < zs.end; u += blockDim.x) {
-    const int32_t v = int32_t(fdiv(k16_div, u));
-    const int32_t w = int32_t(u) - v * int32_t(k16);
-    if (v < lo || v >= hi) {
-      int a = 0, b = num_experts;  // largest e with e * max_m - prefix[e] <= v
-      while (b - a > 1) {
-        const int mid = (a + b) >> 1;
-        if (mid * max_m - prefix[mid] <= v) {
-          a = mid;
-        } else {
-          b = mid;
-        }
-      }
-      ex = a;
-      lo = ex * max_m - prefix[ex];
-      hi = (ex + 1) * max_m - prefix[ex + 1];
-    }
-    const int32_t r = (prefix[ex + 1] - prefix[ex]) + (v - lo);
-    st8(out + (int64_t(ex) * max_m + r) * (k / 2) + int64_t(w) * 8, make_uint2(0, 0));
+  if constexpr (ZERO_FILL) {
+    masked_zero_fill(out, sf, prefix, num_experts, max_m, k, sf_expert, k16_div, kt_div, expert_chunks_div);
   }
+}
 
-  // Phase 3: scale bytes of rows past the mask (padding rows included), per expert region.
-  const uint32_t per_expert = uint32_t(sf_expert / 16);
-  const Slice cs = cta_slice(per_expert * uint32_t(num_experts));
-  for (uint32_t c = cs.begin + threadIdx.x; c < cs.end; c += blockDim.x) {
-    const int32_t e = int32_t(fdiv(expert_chunks_div, c));
-    const int32_t rows_e = prefix[e + 1] - prefix[e];
-    zero_scale_chunk(sf + e * sf_expert, c - uint32_t(e) * per_expert, kt_div,
-                     [&](uint32_t r) { return int32_t(r) < rows_e; });
+// Masked, in 8-row groups of the scale rows (masked_uses_groups): the dense GROUPS tiling over each
+// expert's valid 128-row scale tiles, compacted across experts (tile prefix over ceil(valid / 128)) so
+// the threads split evenly whatever the mask. A CTA step quantizes 32 block columns x one 8-row group
+// (rows 2s, 2s+1, 2s+32, ... of a tile): each 4-column scale sector of valid rows is written whole
+// within one step. Rows past the mask in a partly valid tile are skipped (zero_fill: phases 2 and 3).
+template <typename T, bool SILU, bool ZERO_FILL, bool TABLE = false>
+__global__ void __launch_bounds__(kThreads)
+    nvfp4_masked_groups_kernel(const T* __restrict__ in, const float* __restrict__ gsp,
+                               const int32_t* __restrict__ mask, uint8_t* __restrict__ out, uint8_t* __restrict__ sf,
+                               int num_experts, int32_t max_m, int32_t m_pad, int32_t k, int32_t kb, int32_t kb_pad,
+                               FastDiv k16_div, FastDiv kt_div, FastDiv expert_chunks_div) {
+  extern __shared__ int32_t smem[];
+  float* silu_tab = reinterpret_cast<float*>(smem);  // [kSiluTab] with TABLE
+  int32_t* prefix = smem + (TABLE ? kSiluTab : 0);   // [E + 1] valid rows before expert e
+  int32_t* tiles = prefix + num_experts + 1;          // [E + 1] valid 128-row tiles before expert e
+  int32_t* warp_sums = tiles + num_experts + 1;       // [32]
+  if constexpr (TABLE) {
+    for (int i = threadIdx.x; i < kSiluTab; i += blockDim.x) silu_tab[i] = silu_fp32(silu_tab_input(i));
+  }
+  masked_prefix(mask, num_experts, max_m, prefix, warp_sums);
+  masked_prefix<128>(mask, num_experts, max_m, tiles, warp_sums);  // ends with __syncthreads()
+  const uint32_t kt = uint32_t(kb_pad) >> 2;
+  const int64_t sf_expert = int64_t(m_pad) * kb_pad;
+  const int64_t in_row = SILU ? 2 * int64_t(k) : int64_t(k);
+  const int32_t ty = int32_t(threadIdx.x) >> 5;  // tile: 32 block columns x kDenseGroupRows rows
+  const int32_t col = int32_t(blockIdx.x) * 32 + (int32_t(threadIdx.x) & 31);
+  if (col < kb_pad) {
+    const uint32_t colpart = swz_col(uint32_t(col));
+    const Slice grp_rows = row_slice(uint32_t(tiles[num_experts]) * 16u, 1);
+    const uint32_t sub = (uint32_t(ty) & 1u) + 32u * (uint32_t(ty) >> 1);
+    int32_t tlo = 0, thi = 0, ex = 0, valid = 0;  // cached expert: compacted tiles [tlo, thi), valid rows
+    float gs = 0.0f, inv_gs = 0.0f;
+    for (uint32_t grp = grp_rows.begin; grp < grp_rows.end; ++grp) {
+      const int32_t t = int32_t(grp >> 4);
+      if (t < tlo || t >= thi) {
+        ex = find_segment(tiles, num_experts, t);
+        tlo = tiles[ex];
+        thi = tiles[ex + 1];
+        valid = prefix[ex + 1] - prefix[ex];
+        gs = __ldg(gsp + ex);
+        inv_gs = rcp_or_zero(gs);
+      }
+      const int32_t r = int32_t(128u * uint32_t(t - tlo) + 2u * (grp & 15u) + sub);
+      if (r >= valid) continue;  // past the mask: untouched, or zeroed by phases 2 and 3
+      uint8_t* p = sf + ex * sf_expert + swz_row(uint32_t(r), kt) + colpart;
+      if (col >= kb) {  // padding columns of a valid row
+        if (ZERO_FILL) *p = 0;
+        continue;
+      }
+      const int64_t row = int64_t(ex) * max_m + r;
+      MaskedRaw<T, SILU> raw;
+      load_masked_raw<T, SILU>(in + row * in_row + col * 16, k, raw);
+      uint4 c[kChunksPerBlock16<T>];
+      masked_block16_tab<T, SILU, TABLE>(raw, c, silu_tab);
+      uint32_t qlo, qhi;
+      *p = nvfp4_quant_block16<T, false>(c, gs, OutScaleDirect<false>{inv_gs}, qlo, qhi);
+      st8(out + row * (k / 2) + col * 8, make_uint2(qlo, qhi));
+    }
+  }
+  if constexpr (ZERO_FILL) {
+    masked_zero_fill(out, sf, prefix, num_experts, max_m, k, sf_expert, k16_div, kt_div, expert_chunks_div);
   }
 }
 
@@ -692,6 +798,13 @@ cudaError_t launch_experts(const void* input, const float* gs, const int32_t* eo
   return cudaGetLastError();
 }
 
+// Opt a kernel in to more than 48 KB of dynamic shared memory when it needs it.
+template <class Kernel>
+cudaError_t allow_smem(Kernel kernel, size_t smem) {
+  if (smem <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+}
+
 template <typename T, bool SILU, bool ZERO_FILL>
 cudaError_t launch_masked(const void* input, const float* gs, const int32_t* mask, uint8_t* out, uint8_t* sf,
                           int num_experts, int64_t max_m, int64_t k, int num_sms, cudaStream_t stream) {
@@ -713,24 +826,44 @@ cudaError_t launch_masked(const void* input, const float* gs, const int32_t* mas
   }
   constexpr bool kTabOk = SILU && std::is_same<T, __nv_bfloat16>::value;
   const bool use_tab = kTabOk && all_rows * uint64_t(kb) >= uint64_t(16) * kThreads * gpu_ctas(num_sms, 4);
-  const size_t smem = size_t(num_experts + 1 + 32) * sizeof(int32_t) + (use_tab ? kSiluTab * sizeof(float) : 0);
-  auto kernel = use_tab ? nvfp4_masked_kernel<T, SILU, ZERO_FILL, kTabOk> : nvfp4_masked_kernel<T, SILU, ZERO_FILL, false>;
-  if (smem > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (err != cudaSuccess) return err;
-  }
-  static const int per_sm_plain = resident_ctas(nvfp4_masked_kernel<T, SILU, ZERO_FILL, false>, 2048 * sizeof(int32_t));
-  static const int per_sm_tab = resident_ctas(nvfp4_masked_kernel<T, SILU, ZERO_FILL, kTabOk>,
-                                              2048 * sizeof(int32_t) + kSiluTab * sizeof(float));
-  const int per_sm = use_tab ? per_sm_tab : per_sm_plain;
-  const Tile tile = make_tile(kb);
+  const bool groups = masked_uses_groups<T>(all_rows, SILU ? 2 * k : k, kb_pad);
+  const size_t smem = size_t((groups ? 2 : 1) * (num_experts + 1) + 32) * sizeof(int32_t) +
+                      (use_tab ? kSiluTab * sizeof(float) : 0);
+  // resident CTAs: cached for up to 256 experts (shared memory of 256 experts), else asked per launch
+  constexpr size_t kTab = kSiluTab * sizeof(float);
+  const bool many = num_experts > 256;
   // Sized for the whole [E, max_m] space: the mask is not known on the host.
   const uint64_t extra = ZERO_FILL ? (chunks > all_rows * (k / 16) ? chunks : all_rows * (k / 16)) : 0;
-  const dim3 grid = tile_grid(tile, kb, all_rows, extra, num_sms, per_sm);
-  kernel<<<grid, tile_threads(tile), smem, stream>>>(
-      static_cast<const T*>(input), gs, mask, out, sf, num_experts, int32_t(max_m), int32_t(m_pad), int32_t(k), kb,
-      kb_pad, tile, make_fastdiv(uint32_t(k / 16)), make_fastdiv(uint32_t(kb_pad / 4)),
-      make_fastdiv(uint32_t(uint64_t(m_pad) * uint64_t(kb_pad) / 16)));
+  const FastDiv k16_div = make_fastdiv(uint32_t(k / 16)), kt_div = make_fastdiv(uint32_t(kb_pad / 4));
+  const FastDiv chunks_div = make_fastdiv(uint32_t(uint64_t(m_pad) * uint64_t(kb_pad) / 16));
+  const T* in = static_cast<const T*>(input);
+  if (groups) {
+    auto kernel = use_tab ? nvfp4_masked_groups_kernel<T, SILU, ZERO_FILL, kTabOk>
+                          : nvfp4_masked_groups_kernel<T, SILU, ZERO_FILL, false>;
+    auto plain = nvfp4_masked_groups_kernel<T, SILU, ZERO_FILL, false>;
+    auto tab = nvfp4_masked_groups_kernel<T, SILU, ZERO_FILL, kTabOk>;
+    static const int per_sm[2] = {resident_ctas(plain, 2304), resident_ctas(tab, 2304 + kTab)};
+    const cudaError_t err = allow_smem(kernel, smem);
+    if (err != cudaSuccess) return err;
+    const Tile tile{32, kDenseGroupRows};
+    const dim3 grid = tile_grid(tile, kb_pad, uint64_t(num_experts) * uint64_t(m_pad), extra, num_sms,
+                                many ? resident_ctas(kernel, smem) : per_sm[use_tab]);
+    kernel<<<grid, tile_threads(tile), smem, stream>>>(in, gs, mask, out, sf, num_experts, int32_t(max_m),
+                                                       int32_t(m_pad), int32_t(k), kb, kb_pad, k16_div, kt_div,
+                                                       chunks_div);
+    return cudaGetLastError();
+  }
+  auto kernel = use_tab ? nvfp4_masked_kernel<T, SILU, ZERO_FILL, kTabOk> : nvfp4_masked_kernel<T, SILU, ZERO_FILL, false>;
+  auto plain = nvfp4_masked_kernel<T, SILU, ZERO_FILL, false>;
+  auto tab = nvfp4_masked_kernel<T, SILU, ZERO_FILL, kTabOk>;
+  static const int per_sm[2] = {resident_ctas(plain, 1160), resident_ctas(tab, 1160 + kTab)};
+  const cudaError_t err = allow_smem(kernel, smem);
+  if (err != cudaSuccess) return err;
+  const Tile tile = make_tile(kb);
+  const dim3 grid = tile_grid(tile, kb, all_rows, extra, num_sms, many ? resident_ctas(kernel, smem) : per_sm[use_tab]);
+  kernel<<<grid, tile_threads(tile), smem, stream>>>(in, gs, mask, out, sf, num_experts, int32_t(max_m),
+                                                     int32_t(m_pad), int32_t(k), kb, kb_pad, tile, k16_div, kt_div,
+                                                     chunks_div);
   return cudaGetLastError();
 }
 
