@@ -115,10 +115,15 @@ __global__ void __launch_bounds__(kGroupThreads)
   float x[16];
 #pragma unroll
   for (int j = 0; j < kNC; ++j) chunk_to_float(raw[j], static_cast<const T*>(nullptr), x + j * kE);
-  float amax = 0.0f;
+  float a[8];  // a max tree (depth 4, not a chain of 16): the same NaN-ignoring amax, shorter latency
 #pragma unroll
-  for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));
-  amax = inf_as_max(group_amax<kTpg>(amax, tpg_log2));
+  for (int i = 0; i < 8; ++i) a[i] = fmaxf(fabsf(x[2 * i]), fabsf(x[2 * i + 1]));
+#pragma unroll
+  for (int w = 4; w > 0; w >>= 1) {
+#pragma unroll
+    for (int i = 0; i < w; ++i) a[i] = fmaxf(a[i], a[i + w]);
+  }
+  const float amax = inf_as_max(group_amax<kTpg>(fmaxf(0.0f, a[0]), tpg_log2));
   const GroupScale gsc = fp8_group_scale<LAYOUT == GroupScaleLayout::kColMajorUE8M0>(amax, eps);
   uint32_t w[4];
   quant_chunk<16>(x, gsc.mult, w);

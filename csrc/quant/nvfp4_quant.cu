@@ -38,6 +38,21 @@ struct OutScaleTable {
   __device__ __forceinline__ float operator()(uint8_t b) const { return table[b]; }
 };
 
+// The out_scale table of the expert that a CTA step works on, for the 8-row-group kernels (every row
+// of a step lies in one 128-row scale tile, so in one expert: the expert is CTA-uniform). use() rebuilds
+// the table between two barriers when the expert changes; every thread of the CTA must call it.
+struct ExpertOutScales {
+  float* table;  // [256] shared memory
+  int expert;
+  __device__ __forceinline__ void use(int e, float inv_gs) {
+    if (e == expert) return;
+    __syncthreads();  // the previous expert's last reads
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) table[b] = nvfp4_out_scale<false>(uint8_t(b), inv_gs);
+    __syncthreads();
+    expert = e;
+  }
+};
+
 // Column part and row part of the swizzled offset (their sum is swizzled_offset(row, col, kt)).
 __device__ __forceinline__ uint32_t swz_col(uint32_t col) { return (col >> 2) * 512 + (col & 3); }
 __device__ __forceinline__ uint32_t swz_row(uint32_t row, uint32_t kt) {
@@ -322,31 +337,36 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t b_first = bo[0], b_last = bo[num_experts];
   const int32_t ty = int32_t(threadIdx.x) >> 5;  // tile: 32 block columns x kDenseGroupRows rows
   const int32_t col = int32_t(blockIdx.x) * 32 + (int32_t(threadIdx.x) & 31);
-  if (ty < kDenseGroupRows && col < kb_pad) {
+  {
+    __shared__ float os_table[256];
+    ExpertOutScales os{os_table, -1};
     const uint32_t kt = uint32_t(kb_pad) >> 2;
     const uint32_t colpart = swz_col(uint32_t(col));
     const Slice grp_rows = row_slice(uint32_t(sf_rows) / kDenseGroupRows, 1);
     const uint32_t sub = (uint32_t(ty) & 1u) + 32u * (uint32_t(ty) >> 1);
-    int32_t lo = 0, hi = 0, base = 0, cnt = 0;  // cached expert: scale rows [lo, hi) <- input rows base + [0, cnt)
-    float gs = 0.0f, inv_gs = 0.0f;
-    for (uint32_t grp = grp_rows.begin; grp < grp_rows.end; ++grp) {
-      if (int64_t(128u * (grp >> 4)) >= int64_t(b_last)) break;  // the tail tiles: zeroed in bulk below
-      const int32_t r = int32_t(128u * (grp >> 4) + 2u * (grp & 15u) + sub);
+    int32_t lo = 0, hi = 0, base = 0, cnt = 0, e = -1;  // cached expert: scale rows [lo, hi) <- input rows base + [0, cnt)
+    float gs = 0.0f;
+    for (uint32_t grp = grp_rows.begin; grp < grp_rows.end; ++grp) {  // the same steps in every thread
+      const int32_t tile_row = int32_t(128u * (grp >> 4));  // the step's rows lie in this 128-row tile
+      if (int64_t(tile_row) >= int64_t(b_last)) break;     // the tail tiles: zeroed in bulk below
+      const bool owned = tile_row >= b_first;               // tiles of [bo[0], bo[E]) belong to one expert
+      if (owned && (tile_row < lo || tile_row >= hi)) {
+        e = find_segment(bo, num_experts, tile_row);
+        lo = bo[e];
+        hi = bo[e + 1];
+        base = eo[e];
+        cnt = eo[e + 1] - base;
+        gs = __ldg(gsp + e);
+        os.use(e, rcp_or_zero(gs));
+      }
+      if (col >= kb_pad) continue;
+      const int32_t r = tile_row + int32_t(2u * (grp & 15u) + sub);
       uint8_t s = 0;
-      if (r >= b_first && r < b_last && col < kb) {
-        if (r < lo || r >= hi) {
-          const int e = find_segment(bo, num_experts, r);
-          lo = bo[e];
-          hi = bo[e + 1];
-          base = eo[e];
-          cnt = eo[e + 1] - base;
-          gs = __ldg(gsp + e);
-          inv_gs = rcp_or_zero(gs);
-        }
+      if (owned && col < kb) {
         const int32_t row = base + (r - lo);
         if (r - lo < cnt && row >= 0 && row < m) {
           s = quant_block_at<T, false>(in + int64_t(row) * k + col * 16, out + int64_t(row) * (k / 2) + col * 8, gs,
-                                       OutScaleDirect<false>{inv_gs});
+                                       OutScaleTable{os_table});
         }
       }
       sf[swz_row(uint32_t(r), kt) + colpart] = s;
@@ -619,13 +639,15 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t in_row = SILU ? 2 * int64_t(k) : int64_t(k);
   const int32_t ty = int32_t(threadIdx.x) >> 5;  // tile: 32 block columns x kDenseGroupRows rows
   const int32_t col = int32_t(blockIdx.x) * 32 + (int32_t(threadIdx.x) & 31);
-  if (col < kb_pad) {
+  {
+    __shared__ float os_table[256];
+    ExpertOutScales os{os_table, -1};
     const uint32_t colpart = swz_col(uint32_t(col));
     const Slice grp_rows = row_slice(uint32_t(tiles[num_experts]) * 16u, 1);
     const uint32_t sub = (uint32_t(ty) & 1u) + 32u * (uint32_t(ty) >> 1);
     int32_t tlo = 0, thi = 0, ex = 0, valid = 0;  // cached expert: compacted tiles [tlo, thi), valid rows
     float gs = 0.0f, inv_gs = 0.0f;
-    for (uint32_t grp = grp_rows.begin; grp < grp_rows.end; ++grp) {
+    for (uint32_t grp = grp_rows.begin; grp < grp_rows.end; ++grp) {  // the same steps in every thread
       const int32_t t = int32_t(grp >> 4);
       if (t < tlo || t >= thi) {
         ex = find_segment(tiles, num_experts, t);
@@ -635,8 +657,9 @@ __global__ void __launch_bounds__(kThreads)
         gs = __ldg(gsp + ex);
         inv_gs = rcp_or_zero(gs);
       }
+      os.use(ex, inv_gs);
       const int32_t r = int32_t(128u * uint32_t(t - tlo) + 2u * (grp & 15u) + sub);
-      if (r >= valid) continue;  // past the mask: untouched, or zeroed by phases 2 and 3
+      if (r >= valid || col >= kb_pad) continue;  // past the mask: untouched, or zeroed by phases 2 and 3
       uint8_t* p = sf + ex * sf_expert + swz_row(uint32_t(r), kt) + colpart;
       if (col >= kb) {  // padding columns of a valid row
         if (ZERO_FILL) *p = 0;
@@ -648,7 +671,7 @@ __global__ void __launch_bounds__(kThreads)
       uint4 c[kChunksPerBlock16<T>];
       masked_block16_tab<T, SILU, TABLE>(raw, c, silu_tab);
       uint32_t qlo, qhi;
-      *p = nvfp4_quant_block16<T, false>(c, gs, OutScaleDirect<false>{inv_gs}, qlo, qhi);
+      *p = nvfp4_quant_block16<T, false>(c, gs, OutScaleTable{os_table}, qlo, qhi);
       st8(out + row * (k / 2) + col * 8, make_uint2(qlo, qhi));
     }
   }
