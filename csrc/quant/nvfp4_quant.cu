@@ -65,6 +65,12 @@ __device__ __forceinline__ uint32_t swz_row(uint32_t row, uint32_t kt) {
 // Dense tile of the GROUPS kernel (swizzled scales only): 32 block columns x one 8-row group per CTA step.
 constexpr int32_t kDenseGroupRows = 8;
 
+// The 8-row groups (GROUPS kernels): group grp is rows 2s, 2s+1, 2s+32, 2s+33, 2s+64, 2s+65, 2s+96,
+// 2s+97 of 128-row scale tile grp / 16 (s = grp % 16), whose scale bytes of 4 consecutive columns fill
+// one 32-byte sector; warp ty of a CTA step takes row 2s + group_sub(ty) of the tile.
+__device__ __forceinline__ uint32_t group_sub(int32_t ty) { return (uint32_t(ty) & 1u) + 32u * (uint32_t(ty) >> 1); }
+__device__ __forceinline__ uint32_t group_row_in_tile(uint32_t grp, uint32_t sub) { return 2u * (grp & 15u) + sub; }
+
 // L2 size of the current device (bytes; 50 MB if the query fails). Host-side attribute query, no sync.
 inline int64_t l2_cache_bytes() {
   int dev = 0, bytes = 0;
@@ -153,9 +159,9 @@ __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restri
     // exists.
     static_assert(SWIZZLE, "row groups only matter for the swizzled scale layout");
     const Slice grp_rows = row_slice(uint32_t(m_pad) / kDenseGroupRows, 1);
-    const uint32_t sub = (uint32_t(ty) & 1u) + 32u * (uint32_t(ty) >> 1);
+    const uint32_t sub = group_sub(ty);
     for (uint32_t grp = grp_rows.begin; grp < grp_rows.end; ++grp) {
-      const uint32_t r = 128u * (grp >> 4) + 2u * (grp & 15u) + sub;
+      const uint32_t r = 128u * (grp >> 4) + group_row_in_tile(grp, sub);
       uint8_t s = 0;
       if (r < uint32_t(m) && col < kb) {
         s = quant_block_at<T, UE8M0>(in + int64_t(r) * k + col * 16, out + int64_t(r) * (k / 2) + col * 8, gs, os);
@@ -343,7 +349,7 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t kt = uint32_t(kb_pad) >> 2;
     const uint32_t colpart = swz_col(uint32_t(col));
     const Slice grp_rows = row_slice(uint32_t(sf_rows) / kDenseGroupRows, 1);
-    const uint32_t sub = (uint32_t(ty) & 1u) + 32u * (uint32_t(ty) >> 1);
+    const uint32_t sub = group_sub(ty);
     int32_t lo = 0, hi = 0, base = 0, cnt = 0, e = -1;  // cached expert: scale rows [lo, hi) <- input rows base + [0, cnt)
     float gs = 0.0f;
     for (uint32_t grp = grp_rows.begin; grp < grp_rows.end; ++grp) {  // the same steps in every thread
@@ -360,7 +366,7 @@ __global__ void __launch_bounds__(kThreads)
         os.use(e, rcp_or_zero(gs));
       }
       if (col >= kb_pad) continue;
-      const int32_t r = tile_row + int32_t(2u * (grp & 15u) + sub);
+      const int32_t r = tile_row + int32_t(group_row_in_tile(grp, sub));
       uint8_t s = 0;
       if (owned && col < kb) {
         const int32_t row = base + (r - lo);
@@ -458,6 +464,16 @@ NVQ_HD float silu_tab_input(int i) {
 }
 NVQ_HD uint32_t silu_tab_off(uint32_t x) { return (x & 0x3FFFu) | ((x >> 3) & 0x4000u); }
 
+// Fill the table (every thread of the CTA takes part; no barrier here). Entries with
+// 2**-95 <= |g| < 65 take silu_fp32_guarded, which is silu_fp32 bit for bit there (PERF_NOTES §4,
+// exhaustive) at about half the instructions; the others (|g| >= 65) the general silu_fp32.
+__device__ __forceinline__ void silu_tab_fill(float* tab) {
+  for (int i = threadIdx.x; i < kSiluTab; i += blockDim.x) {
+    const float g = silu_tab_input(i);
+    tab[i] = silu_div_guard(g) ? silu_fp32_guarded(g) : silu_fp32(g);
+  }
+}
+
 template <typename T, bool SILU, bool TABLE>
 __device__ __forceinline__ void masked_block16_tab(const MaskedRaw<T, SILU>& raw, uint4 (&c)[kChunksPerBlock16<T>],
                                                    const float* tab) {
@@ -550,9 +566,7 @@ __global__ void __launch_bounds__(kThreads)
   float* silu_tab = reinterpret_cast<float*>(smem);  // [kSiluTab] with TABLE
   int32_t* prefix = smem + (TABLE ? kSiluTab : 0);   // [E + 1] valid rows before expert e
   int32_t* warp_sums = prefix + num_experts + 1;     // [32]
-  if constexpr (TABLE) {
-    for (int i = threadIdx.x; i < kSiluTab; i += blockDim.x) silu_tab[i] = silu_fp32(silu_tab_input(i));
-  }
+  if constexpr (TABLE) silu_tab_fill(silu_tab);
   masked_prefix(mask, num_experts, max_m, prefix, warp_sums);  // ends with __syncthreads()
   const int32_t valid_rows = prefix[num_experts];
   const uint32_t kt = uint32_t(kb_pad) >> 2;
@@ -629,9 +643,6 @@ __global__ void __launch_bounds__(kThreads)
   int32_t* prefix = smem + (TABLE ? kSiluTab : 0);   // [E + 1] valid rows before expert e
   int32_t* tiles = prefix + num_experts + 1;          // [E + 1] valid 128-row tiles before expert e
   int32_t* warp_sums = tiles + num_experts + 1;       // [32]
-  if constexpr (TABLE) {
-    for (int i = threadIdx.x; i < kSiluTab; i += blockDim.x) silu_tab[i] = silu_fp32(silu_tab_input(i));
-  }
   masked_prefix(mask, num_experts, max_m, prefix, warp_sums);
   masked_prefix<128>(mask, num_experts, max_m, tiles, warp_sums);  // ends with __syncthreads()
   const uint32_t kt = uint32_t(kb_pad) >> 2;
@@ -644,10 +655,11 @@ __global__ void __launch_bounds__(kThreads)
     ExpertOutScales os{os_table, -1};
     const uint32_t colpart = swz_col(uint32_t(col));
     const Slice grp_rows = row_slice(uint32_t(tiles[num_experts]) * 16u, 1);
-    const uint32_t sub = (uint32_t(ty) & 1u) + 32u * (uint32_t(ty) >> 1);
+    const uint32_t sub = group_sub(ty);
     int32_t tlo = 0, thi = 0, ex = 0, valid = 0;  // cached expert: compacted tiles [tlo, thi), valid rows
     float gs = 0.0f, inv_gs = 0.0f;
-    for (uint32_t grp = grp_rows.begin; grp < grp_rows.end; ++grp) {  // the same steps in every thread
+    // The row of group grp handled by this thread (after moving the cached expert to the group's tile).
+    const auto row_of = [&](uint32_t grp) {
       const int32_t t = int32_t(grp >> 4);
       if (t < tlo || t >= thi) {
         ex = find_segment(tiles, num_experts, t);
@@ -657,8 +669,25 @@ __global__ void __launch_bounds__(kThreads)
         gs = __ldg(gsp + ex);
         inv_gs = rcp_or_zero(gs);
       }
+      return int32_t(128u * uint32_t(t - tlo) + group_row_in_tile(grp, sub));
+    };
+    // Every CTA starts with the SiLU table fill, during which no memory traffic would flow: the
+    // blocks of the first two steps are prefetched into L2 first (registers stay free for the fill).
+    for (uint32_t grp = grp_rows.begin; grp < min(grp_rows.end, grp_rows.begin + 2); ++grp) {
+      const int32_t r = row_of(grp);
+      if (r < valid && col < kb) {
+        const T* p = in + (int64_t(ex) * max_m + r) * in_row + col * 16;
+        prefetch_l2(p);
+        if constexpr (SILU) prefetch_l2(p + k);
+      }
+    }
+    if constexpr (TABLE) {
+      silu_tab_fill(silu_tab);
+      __syncthreads();
+    }
+    for (uint32_t grp = grp_rows.begin; grp < grp_rows.end; ++grp) {  // the same steps in every thread
+      const int32_t r = row_of(grp);
       os.use(ex, inv_gs);
-      const int32_t r = int32_t(128u * uint32_t(t - tlo) + 2u * (grp & 15u) + sub);
       if (r >= valid || col >= kb_pad) continue;  // past the mask: untouched, or zeroed by phases 2 and 3
       uint8_t* p = sf + ex * sf_expert + swz_row(uint32_t(r), kt) + colpart;
       if (col >= kb) {  // padding columns of a valid row
