@@ -30,6 +30,10 @@ step() {
   [ "$rc" -ne 0 ] && [ "$status" -eq 0 ] && status=$rc
   return 0
 }
+sanitize_cuda() {
+  step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py
+  step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py
+}
 sanitize_triton() {
   step memcheck-triton compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/triton_sanitizer_driver.py
   step racecheck-triton compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/triton_sanitizer_driver.py
@@ -44,14 +48,9 @@ for s in "$@"; do
       NVFP4_PLUGIN_REQUIRE_EXT=1 step "tests-${kv//[^A-Za-z0-9=]/_}" env ${kv//+/ } python3 -m pytest -q -rs -m gpu \
         -p no:cacheprovider ${GPU_TESTS:-tests} ;;
     pytest) NVFP4_PLUGIN_REQUIRE_EXT=1 step pytest python3 -m pytest -q -rs -p no:cacheprovider $PYTEST_FILES ;;
-    sanitize)
-      step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py
-      step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py
-      sanitize_triton ;;
+    sanitize) sanitize_cuda; sanitize_triton ;;
     sanitize-triton) sanitize_triton ;;
-    sanitize-cuda)
-      step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py
-      step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/cuda_sanitizer_driver.py ;;
+    sanitize-cuda) sanitize_cuda ;;
     bench-quant@*=*)  # bench-quant@VAR=VALUE[+VAR=VALUE][@op,op]: bench-quant with env vars set (csrc's benchmark knobs)
       kv="${s#bench-quant@}"; ops=""
       case "$kv" in *@*) ops="--ops ${kv#*@}"; ops="${ops//,/ }"; kv="${kv%%@*}" ;; esac
