@@ -202,6 +202,9 @@ void per_token_group_quant_fp8(const at::Tensor& input, at::Tensor& output, at::
   expect(input, "input", input);
   expect(output, "output", input);
   expect_numel(output, "output", input.numel());
+  // the kernel reads and writes whole 16-value units (16-byte vectors)
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(input.data_ptr()) % 16 == 0, "input: expected a 16-byte aligned start");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(output.data_ptr()) % 16 == 0, "output: expected a 16-byte aligned start");
   const int64_t m = input.size(0), k = input.size(1);
   TORCH_CHECK(group_size > 0 && k % group_size == 0, "group_size: must divide ", k);
   const int64_t groups = k / group_size;

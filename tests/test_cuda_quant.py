@@ -239,16 +239,34 @@ def test_masked_quant_fuzz(cuda_ops, dtype, use_silu_and_mul, given_outputs):
             assert_same_bytes(s, s_ref, what + " scales")
 
 
+def test_scaled_fp4_experts_quant_large_unaligned_blockscale_offsets(cuda_ops):
+    """Blockscale offsets that are not multiples of 128 (outside the documented contract, and not
+    checkable without a host sync) still give the reference's bytes on the 8-row-group path: the
+    kernel falls back to a per-row expert lookup."""
+    k = 1040
+    m = _row_group_rows(k, 2, l2_times=6)
+    eo = routing(m, 64, seed=13, tail=5).cuda()
+    bo = nx.blockscale_offsets_from_expert_offsets(eo).clone()
+    bo[1:] += 64  # expert 0 keeps its rows; every later expert starts mid-tile
+    assert int(bo[-1]) <= nx.max_blockscale_rows(m, 64)
+    x = activations(m, k, torch.bfloat16, seed=14)
+    gs = torch.rand(64, device="cuda") * 500 + 1e-3
+    q, s = cuda_ops.scaled_fp4_experts_quant(x, gs, eo, bo)
+    q_ref, s_ref = ref.scaled_fp4_experts_quant(x, gs, eo, bo)
+    assert_same_bytes(q, q_ref, f"experts codes, unaligned offsets, m={m}")
+    assert_same_bytes(s, s_ref, f"experts scales, unaligned offsets, m={m}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("use_silu_and_mul", [True, False])
 def test_masked_quant_large_row_groups(cuda_ops, dtype, use_silu_and_mul):
-    """Inputs of 3 x L2 take the masked kernel's 8-row groups over each expert's valid scale tiles (csrc
+    """Inputs of 16 x L2 take the masked kernel's 8-row groups over each expert's valid scale tiles (csrc
     masked_uses_groups; bf16 SiLU with the table): masks 0, 1, 127, 128, 129, full, above max_m and
     partial; padding columns (K=1040); outputs allocated (zero-filled) and given (rows past the mask
     untouched)."""
     e, k = 8, 1040
     width = 2 * k if use_silu_and_mul else k
-    max_m = _row_group_rows(width, torch.empty((), dtype=dtype).element_size()) // e + 1
+    max_m = _row_group_rows(width, torch.empty((), dtype=dtype).element_size(), l2_times=16) // e + 1
     mask = torch.tensor([0, 1, 127, 128, 129, max_m, max_m + 5, max_m // 2 + 3], dtype=torch.int32).cuda()
     x = activations(e * max_m, width, dtype, seed=21).reshape(e, max_m, width)
     gs = torch.rand(e, device="cuda") * 100 + 1e-2

@@ -352,30 +352,59 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t sub = group_sub(ty);
     int32_t lo = 0, hi = 0, base = 0, cnt = 0, e = -1;  // cached expert: scale rows [lo, hi) <- input rows base + [0, cnt)
     float gs = 0.0f;
-    for (uint32_t grp = grp_rows.begin; grp < grp_rows.end; ++grp) {  // the same steps in every thread
-      const int32_t tile_row = int32_t(128u * (grp >> 4));  // the step's rows lie in this 128-row tile
-      if (int64_t(tile_row) >= int64_t(b_last)) break;     // the tail tiles: zeroed in bulk below
-      const bool owned = tile_row >= b_first;               // tiles of [bo[0], bo[E]) belong to one expert
-      if (owned && (tile_row < lo || tile_row >= hi)) {
-        e = find_segment(bo, num_experts, tile_row);
-        lo = bo[e];
-        hi = bo[e + 1];
-        base = eo[e];
-        cnt = eo[e + 1] - base;
-        gs = __ldg(gsp + e);
-        os.use(e, rcp_or_zero(gs));
-      }
-      if (col >= kb_pad) continue;
-      const int32_t r = tile_row + int32_t(group_row_in_tile(grp, sub));
-      uint8_t s = 0;
-      if (owned && col < kb) {
+    // Blockscale offsets are documented as multiples of 128 (each 128-row tile then has one expert, the
+    // out_scale table is per tile). Offsets that are not (nothing checks them without a host sync) take
+    // a per-row expert lookup with the out_scale computed per block: the same bytes, slower.
+    bool ok = true;
+    for (int i = threadIdx.x; i <= num_experts; i += blockDim.x) ok = ok && (bo[i] & 127) == 0;
+    const bool aligned = __syncthreads_and(ok) != 0;
+    if (aligned) {
+      for (uint32_t grp = grp_rows.begin; grp < grp_rows.end; ++grp) {  // the same steps in every thread
+        const int32_t tile_row = int32_t(128u * (grp >> 4));  // the step's rows lie in this 128-row tile
+        if (int64_t(tile_row) >= int64_t(b_last)) break;     // the tail tiles: zeroed in bulk below
+        const bool owned = tile_row >= b_first;               // tiles of [bo[0], bo[E]) belong to one expert
+        if (owned && (tile_row < lo || tile_row >= hi)) {
+          e = find_segment(bo, num_experts, tile_row);
+          lo = bo[e];
+          hi = bo[e + 1];
+          base = eo[e];
+          cnt = eo[e + 1] - base;
+          gs = __ldg(gsp + e);
+          os.use(e, rcp_or_zero(gs));
+        }
+        if (col >= kb_pad) continue;
+        const int32_t r = tile_row + int32_t(group_row_in_tile(grp, sub));
         const int32_t row = base + (r - lo);
-        if (r - lo < cnt && row >= 0 && row < m) {
+        uint8_t s = 0;
+        if (owned && col < kb && r - lo < cnt && row >= 0 && row < m) {
           s = quant_block_at<T, false>(in + int64_t(row) * k + col * 16, out + int64_t(row) * (k / 2) + col * 8, gs,
                                        OutScaleTable{os_table});
         }
+        sf[swz_row(uint32_t(r), kt) + colpart] = s;
       }
-      sf[swz_row(uint32_t(r), kt) + colpart] = s;
+    } else {
+      for (uint32_t grp = grp_rows.begin; grp < grp_rows.end && col < kb_pad; ++grp) {
+        const int32_t tile_row = int32_t(128u * (grp >> 4));
+        if (int64_t(tile_row) >= int64_t(b_last)) break;
+        const int32_t r = tile_row + int32_t(group_row_in_tile(grp, sub));
+        uint8_t s = 0;
+        if (r >= b_first && r < b_last && col < kb) {
+          if (r < lo || r >= hi) {
+            e = find_segment(bo, num_experts, r);
+            lo = bo[e];
+            hi = bo[e + 1];
+            base = eo[e];
+            cnt = eo[e + 1] - base;
+            gs = __ldg(gsp + e);
+          }
+          const int32_t row = base + (r - lo);
+          if (r - lo < cnt && row >= 0 && row < m) {
+            s = quant_block_at<T, false>(in + int64_t(row) * k + col * 16, out + int64_t(row) * (k / 2) + col * 8,
+                                         gs, OutScaleDirect<false>{rcp_or_zero(gs)});
+          }
+        }
+        sf[swz_row(uint32_t(r), kt) + colpart] = s;
+      }
     }
   }
   // 128-row scale tiles from the first one past bo[E] to sf_rows: contiguous bytes, zeroed 16 at a time
@@ -806,6 +835,18 @@ cudaError_t launch_dense_dispatch(const void* input, const float* gs, uint8_t* o
                : launch_dense<T, false, false>(input, gs, out, sf, m, k, num_sms, stream);
 }
 
+// Opt a kernel in to more than 48 KB of dynamic shared memory when it needs it.
+// (The default cap is 48 KB of static plus dynamic shared memory: kernels with a static table count it.)
+template <class Kernel>
+cudaError_t allow_smem(Kernel kernel, size_t smem) {
+  if (smem <= 40 * 1024) return cudaSuccess;  // no kernel here has 8 KB of static shared memory
+  cudaFuncAttributes a{};
+  const cudaError_t err = cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(kernel));
+  if (err != cudaSuccess) return err;
+  if (smem <= size_t(a.maxDynamicSharedSizeBytes)) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+}
+
 template <typename T>
 cudaError_t launch_experts(const void* input, const float* gs, const int32_t* eo, const int32_t* bo, uint8_t* out,
                            uint8_t* sf, int64_t m, int64_t k, int num_experts, int64_t sf_rows, int num_sms,
@@ -823,10 +864,8 @@ cudaError_t launch_experts(const void* input, const float* gs, const int32_t* eo
   if (experts_uses_groups<T>(m, k, kb_pad)) {
     const size_t gsmem = size_t(2) * (num_experts + 1) * sizeof(int32_t);
     auto gkernel = nvfp4_experts_groups_kernel<T>;
-    if (gsmem > 48 * 1024) {
-      const cudaError_t err = cudaFuncSetAttribute(gkernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(gsmem));
-      if (err != cudaSuccess) return err;
-    }
+    const cudaError_t err = allow_smem(gkernel, gsmem);
+    if (err != cudaSuccess) return err;
     static const int per_sm_groups = resident_ctas(gkernel, 2048 * sizeof(int32_t));
     const Tile gtile{32, kDenseGroupRows};
     const dim3 grid = tile_grid(gtile, kb_pad, uint64_t(sf_rows), 0, num_sms, per_sm_groups);
@@ -836,10 +875,8 @@ cudaError_t launch_experts(const void* input, const float* gs, const int32_t* eo
     return cudaGetLastError();
   }
   auto kernel = nvfp4_experts_kernel<T>;
-  if (smem > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (err != cudaSuccess) return err;
-  }
+  const cudaError_t err = allow_smem(kernel, smem);
+  if (err != cudaSuccess) return err;
   static const int per_sm = resident_ctas(kernel, 2048 * sizeof(int32_t) + kMaxOutTabs * 256 * sizeof(float));
   const Tile tile = tile0;
   const dim3 grid = tile_grid(tile, kb, uint64_t(m), chunks, num_sms, per_sm);
@@ -850,12 +887,6 @@ cudaError_t launch_experts(const void* input, const float* gs, const int32_t* eo
   return cudaGetLastError();
 }
 
-// Opt a kernel in to more than 48 KB of dynamic shared memory when it needs it.
-template <class Kernel>
-cudaError_t allow_smem(Kernel kernel, size_t smem) {
-  if (smem <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-}
 
 template <typename T, bool SILU, bool ZERO_FILL>
 cudaError_t launch_masked(const void* input, const float* gs, const int32_t* mask, uint8_t* out, uint8_t* sf,
