@@ -80,7 +80,8 @@ def main() -> int:
             out = torch.zeros((6, 130, 24), dtype=torch.uint8, device="cuda")
             sf = torch.zeros((6, 256, 4), dtype=torch.float8_e4m3fn, device="cuda")
             ops.silu_and_mul_scaled_fp4_experts_quant(x, gs, mask, use_silu_and_mul=silu, output=out, output_scale=sf)
-    # an input of 3 L2 sizes: the masked kernel's 8-row groups (csrc masked_uses_groups), bf16 SiLU table
+    # an input of 3 L2 sizes, bf16 SiLU table: the row kernel by default; the 8-row-group kernel when run
+    # with NVFP4_PLUGIN_QUANT_TILING=groups (csrc masked_uses_groups takes it only from 16 L2 sizes)
     max_m = (3 * l2) // (8 * 2080 * 2) + 37
     x = torch.randn(8, max_m, 2080, device="cuda").to(torch.bfloat16)
     mask = torch.tensor([0, 1, 127, 128, 129, max_m, max_m + 5, max_m // 2], dtype=torch.int32, device="cuda")

@@ -305,8 +305,7 @@ constexpr uint64_t kMaxUnits = (uint64_t(1) << 31) - 1;
 
 template <typename T, GroupScaleLayout L>
 cudaError_t launch_group(const void* input, void* scales, uint8_t* out, int64_t m, int64_t k, int group_size,
-                         float eps, int64_t scale_stride, int num_sms, cudaStream_t stream) {
-  (void)num_sms;
+                         float eps, int64_t scale_stride, cudaStream_t stream) {
   const uint64_t units = uint64_t(m) * uint64_t(k) / 16;
   if (units > kMaxUnits) return cudaErrorInvalidValue;
   int tpg_log2 = 0;
@@ -320,18 +319,17 @@ cudaError_t launch_group(const void* input, void* scales, uint8_t* out, int64_t 
 
 template <typename T>
 cudaError_t launch_group_dispatch(const void* input, void* scales, uint8_t* out, int64_t m, int64_t k, int group_size,
-                                  float eps, GroupScaleLayout layout, int64_t scale_stride, int num_sms,
-                                  cudaStream_t stream) {
+                                  float eps, GroupScaleLayout layout, int64_t scale_stride, cudaStream_t stream) {
   switch (layout) {
     case GroupScaleLayout::kRowMajorF32:
       return launch_group<T, GroupScaleLayout::kRowMajorF32>(input, scales, out, m, k, group_size, eps, scale_stride,
-                                                              num_sms, stream);
+                                                              stream);
     case GroupScaleLayout::kColMajorF32:
       return launch_group<T, GroupScaleLayout::kColMajorF32>(input, scales, out, m, k, group_size, eps, scale_stride,
-                                                              num_sms, stream);
+                                                              stream);
     case GroupScaleLayout::kColMajorUE8M0:
       return launch_group<T, GroupScaleLayout::kColMajorUE8M0>(input, scales, out, m, k, group_size, eps,
-                                                                scale_stride, num_sms, stream);
+                                                                scale_stride, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -415,12 +413,12 @@ cudaError_t fp8_quant_per_token(ActDType dt, const void* input, float* scale, ui
 cudaError_t fp8_quant_per_token_group(ActDType dt, const void* input, void* scales, uint8_t* out, int64_t m,
                                       int64_t k, int group_size, float eps, GroupScaleLayout layout,
                                       int64_t scale_stride, int num_sms, cudaStream_t stream) {
+  (void)num_sms;  // one unit per thread: the grid follows the work
   const bool pow2 = group_size >= 16 && group_size <= 512 && (group_size & (group_size - 1)) == 0;
   if (!pow2 || m < 0 || k < 0 || k % group_size != 0) return cudaErrorInvalidValue;
   if (m == 0 || k == 0) return cudaSuccess;
   NVQ_DISPATCH_ACT(dt, T,
-                   launch_group_dispatch<T>(input, scales, out, m, k, group_size, eps, layout, scale_stride, num_sms,
-                                            stream));
+                   launch_group_dispatch<T>(input, scales, out, m, k, group_size, eps, layout, scale_stride, stream));
 }
 
 }  // namespace nvq
