@@ -49,7 +49,8 @@ def main() -> int:
             for swizzle in (True, False):
                 for fmt in ("e4m3", "ue8m0"):
                     ops.scaled_fp4_quant(x, gs, swizzle=swizzle, scale_format=fmt)
-    # an input of several L2 sizes: the swizzled kernel's 8-row-group tiling (csrc dense_uses_groups)
+    # an input of several L2 sizes: many row steps per CTA in the grid-wide row order (the 8-row groups
+    # with NVFP4_PLUGIN_QUANT_TILING=groups; up to 1024 rows they are the default, csrc dense_uses_groups)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size or 50 << 20
     x = torch.randn((3 * l2) // (1040 * 2) + 165, 1040, device="cuda").to(torch.bfloat16)
     ops.scaled_fp4_quant(x, nx.tensor_global_scale(x).reshape(1), swizzle=True)
@@ -66,7 +67,12 @@ def main() -> int:
     x = torch.randn(rows, 1040, device="cuda").to(torch.bfloat16)
     cuts = sorted(torch.randint(0, rows - 10, (4,)).tolist())
     eo = torch.tensor([0, 0, *cuts, rows - 10], dtype=torch.int32, device="cuda")  # an empty expert, 10 tail rows
-    ops.scaled_fp4_experts_quant(x, torch.rand(6, device="cuda") + 0.1, eo, nx.blockscale_offsets_from_expert_offsets(eo))
+    bo = nx.blockscale_offsets_from_expert_offsets(eo)
+    ops.scaled_fp4_experts_quant(x, torch.rand(6, device="cuda") + 0.1, eo, bo)
+    # blockscale offsets off the 128-row grid: the groups kernel's per-row expert lookup
+    bo = bo.clone()
+    bo[1:] += 64
+    ops.scaled_fp4_experts_quant(x, torch.rand(6, device="cuda") + 0.1, eo, bo)
     del x
     done.append("scaled_fp4_experts_quant")
 

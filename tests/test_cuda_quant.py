@@ -114,15 +114,16 @@ def test_scaled_fp4_quant_degenerate_global_scales(cuda_ops, gs, scale_format):
 
 def _row_group_rows(k: int, elem: int, l2_times: int = 3) -> int:
     """A row count (not a multiple of 128) whose input is past an ``l2_times`` x L2 threshold of csrc
-    (dense_uses_groups: 3, experts_uses_groups: 6, masked_uses_groups: 16)."""
+    (experts_uses_groups: 6, masked_uses_groups: 16; dense: 3, many row steps per CTA)."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size or 50 << 20
     return (l2_times * l2) // (k * elem) + 128 + 37
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_scaled_fp4_quant_large_m_row_groups(cuda_ops, dtype):
-    """Inputs of several L2 sizes take the swizzled kernel's 8-row-group tiling: same bytes as the
-    reference, padding rows zeroed, both scale formats (K=2048: 128 block columns; K=1040: padding columns)."""
+def test_scaled_fp4_quant_large_m(cuda_ops, dtype):
+    """Inputs of several L2 sizes: the row-block tile in the grid-wide row order, many row steps per CTA
+    (the 8-row groups with NVFP4_PLUGIN_QUANT_TILING=groups): same bytes as the reference, padding rows
+    zeroed, both scale formats (K=2048: 128 block columns, 2 rows per CTA step; K=1040: padding columns)."""
     for k in (2048, 1040):
         m = _row_group_rows(k, torch.empty((), dtype=dtype).element_size())
         x = activations(m, k, dtype, seed=k)
@@ -184,20 +185,35 @@ def test_scaled_fp4_experts_quant_fuzz(cuda_ops, dtype):
                 assert_same_bytes(s, s_ref, what + " scales")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_scaled_fp4_experts_quant_large_row_groups(cuda_ops, dtype):
-    """Inputs of 6 x L2 take the experts kernel's 8-row groups over the scale rows (csrc
-    experts_uses_groups): empty experts, rows past the last offset, the scale tail, padding columns."""
+def _large_experts_case(cuda_ops, dtype, seed: int, shift_offsets: int = 0) -> None:
+    """6 x L2 of input over 64 experts (the experts kernel's 8-row groups over the scale rows, csrc
+    experts_uses_groups): empty experts, rows past the last offset, the scale tail, padding columns
+    (K=1040). shift_offsets moves every expert but the first that many scale rows down."""
     k = 1040
     m = _row_group_rows(k, torch.empty((), dtype=dtype).element_size(), l2_times=6)
-    eo = routing(m, 64, seed=11, tail=5).cuda()
-    bo = nx.blockscale_offsets_from_expert_offsets(eo)
-    x = activations(m, k, dtype, seed=12)
+    eo = routing(m, 64, seed=seed, tail=5).cuda()
+    bo = nx.blockscale_offsets_from_expert_offsets(eo).clone()
+    bo[1:] += shift_offsets
+    assert int(bo[-1]) <= nx.max_blockscale_rows(m, 64)
+    x = activations(m, k, dtype, seed=seed + 1)
     gs = torch.rand(64, device="cuda") * 500 + 1e-3
     q, s = cuda_ops.scaled_fp4_experts_quant(x, gs, eo, bo)
     q_ref, s_ref = ref.scaled_fp4_experts_quant(x, gs, eo, bo)
-    assert_same_bytes(q, q_ref, f"experts codes m={m} {dtype}")
-    assert_same_bytes(s, s_ref, f"experts scales m={m} {dtype}")
+    what = f"m={m} {dtype} offsets shifted by {shift_offsets}"
+    assert_same_bytes(q, q_ref, f"experts codes {what}")
+    assert_same_bytes(s, s_ref, f"experts scales {what}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scaled_fp4_experts_quant_large_row_groups(cuda_ops, dtype):
+    _large_experts_case(cuda_ops, dtype, seed=11)
+
+
+def test_scaled_fp4_experts_quant_large_unaligned_blockscale_offsets(cuda_ops):
+    """Blockscale offsets that are not multiples of 128 (outside the documented contract, and not
+    checkable without a host sync) still give the reference's bytes on the 8-row-group path: the
+    kernel falls back to a per-row expert lookup."""
+    _large_experts_case(cuda_ops, torch.bfloat16, seed=13, shift_offsets=64)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -237,24 +253,6 @@ def test_masked_quant_fuzz(cuda_ops, dtype, use_silu_and_mul, given_outputs):
             what = f"masked e={e} max_m={max_m} k={k} {mask_kind} {dtype} silu={use_silu_and_mul}"
             assert_same_bytes(q, q_ref, what + " codes")
             assert_same_bytes(s, s_ref, what + " scales")
-
-
-def test_scaled_fp4_experts_quant_large_unaligned_blockscale_offsets(cuda_ops):
-    """Blockscale offsets that are not multiples of 128 (outside the documented contract, and not
-    checkable without a host sync) still give the reference's bytes on the 8-row-group path: the
-    kernel falls back to a per-row expert lookup."""
-    k = 1040
-    m = _row_group_rows(k, 2, l2_times=6)
-    eo = routing(m, 64, seed=13, tail=5).cuda()
-    bo = nx.blockscale_offsets_from_expert_offsets(eo).clone()
-    bo[1:] += 64  # expert 0 keeps its rows; every later expert starts mid-tile
-    assert int(bo[-1]) <= nx.max_blockscale_rows(m, 64)
-    x = activations(m, k, torch.bfloat16, seed=14)
-    gs = torch.rand(64, device="cuda") * 500 + 1e-3
-    q, s = cuda_ops.scaled_fp4_experts_quant(x, gs, eo, bo)
-    q_ref, s_ref = ref.scaled_fp4_experts_quant(x, gs, eo, bo)
-    assert_same_bytes(q, q_ref, f"experts codes, unaligned offsets, m={m}")
-    assert_same_bytes(s, s_ref, f"experts scales, unaligned offsets, m={m}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -100,16 +100,14 @@ inline bool groups_choice(bool can, bool measured) {
   return can && (c == TilingChoice::kAuto ? measured : c == TilingChoice::kGroups);
 }
 
-// Swizzled scales in 8-row groups pay off once the input streams several L2 sizes past the scale sectors
-// a row-at-a-time CTA leaves half-written (H200, 2026-11-25: 32768x7168 bf16 61% -> 82% of copy,
-// 32768x4096 75% -> 81%), and for up to 1024 rows, where the 32-column tile's extra CTAs cut latency
-// (M=1..1024: 3-12% faster); in between (8192x2048/4096) the row-block tile keeps 3 points more.
+// Swizzled scales in 8-row groups: for up to 1024 rows, where the 32-column tile's extra CTAs cut latency
+// (H200, 2026-11-25: M=1..1024 3-12% faster than the row-block tile). Larger inputs keep the row-block
+// tile: with the grid-wide row order (nvfp4_dense_kernel) neighbouring CTAs write the rows of one scale
+// sector close together in time, and the row-block tile measured faster there (32768 x 2048 / 4096 / 7168:
+// 83.0 / 85.9 / 85.2% of copy against 79.2 / 82.2 / 83.7% in groups; the groups tile had been taken for
+// >= 3x L2 of input, where the slice order left scale sectors half-written for long: 61 -> 82%).
 // The linear layout writes whole sectors either way and keeps the row-block tile.
-template <typename T>
-bool dense_uses_groups(int64_t m_pad, int64_t k, int32_t kb_pad) {
-  static const int64_t l2 = l2_cache_bytes();
-  return groups_choice(kb_pad >= 32, m_pad <= 1024 || m_pad * k * int64_t(sizeof(T)) >= 3 * l2);
-}
+inline bool dense_uses_groups(int64_t m_pad, int32_t kb_pad) { return groups_choice(kb_pad >= 32, m_pad <= 1024); }
 
 // The experts kernel takes the same 8-row groups (over its scale rows) where its input is >= 6x the L2
 // size (H200, E=256, 2026-11-25: 65536 x 4096 / 7168 rows 53 -> 56 / 52 -> 61% of copy, 262144 rows
@@ -132,6 +130,10 @@ bool masked_uses_groups(uint64_t rows, int64_t in_row, int32_t kb_pad) {
   return groups_choice(kb_pad >= 32, int64_t(rows) * in_row * int64_t(sizeof(T)) >= 16 * l2);
 }
 
+// Row order: CTA y of the one-wave grid takes the row steps (rows, or 8-row groups) y, y + gridDim.y, ...,
+// so the whole grid sweeps the input front to back together rather than each CTA streaming its own
+// contiguous slice (H200, 2026-11-25: 32768 x 4096 / 7168 rows 81 -> 86 / 85% of copy, 8192 x 2048
+// 66 -> 68.5%; the row-block tile then writes whole scale sectors too, see dense_uses_groups).
 template <typename T, bool SWIZZLE, bool UE8M0, bool GROUPS>
 __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restrict__ in, const float* __restrict__ gsp,
                                                                uint8_t* __restrict__ out, uint8_t* __restrict__ sf,
@@ -149,18 +151,14 @@ __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restri
   const OutScaleTable os{table};
   const uint32_t kt = uint32_t(kb_pad) >> 2;
   const uint32_t colpart = swz_col(uint32_t(col));
-  const Slice rs = row_slice(uint32_t(m_pad), uint32_t(tile.rows));
   if constexpr (GROUPS) {
     // Row groups (dense_uses_groups; tile = 32 columns x 8 rows): warp ty of a CTA step quantizes one row of
     // an 8-row group, rows 2s, 2s+1, 2s+32, 2s+33, 2s+64, 2s+65, 2s+96, 2s+97 of a 128-row tile, whose scale
-    // bytes of 4 consecutive columns fill one 32-byte sector: every sector is written whole within one
-    // step, instead of by 8 row iterations far apart in time (partial sectors left in L2 while hundreds of
-    // MB stream past cost DRAM read-modify-writes at large M). m_pad is a multiple of 128: every group row
-    // exists.
+    // bytes of 4 consecutive columns fill one 32-byte sector, written whole within one step. m_pad is a
+    // multiple of 128: every group row exists.
     static_assert(SWIZZLE, "row groups only matter for the swizzled scale layout");
-    const Slice grp_rows = row_slice(uint32_t(m_pad) / kDenseGroupRows, 1);
     const uint32_t sub = group_sub(ty);
-    for (uint32_t grp = grp_rows.begin; grp < grp_rows.end; ++grp) {
+    for (uint32_t grp = blockIdx.y; grp < uint32_t(m_pad) / kDenseGroupRows; grp += gridDim.y) {
       const uint32_t r = 128u * (grp >> 4) + group_row_in_tile(grp, sub);
       uint8_t s = 0;
       if (r < uint32_t(m) && col < kb) {
@@ -170,31 +168,25 @@ __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restri
     }
     return;
   }
-  const uint32_t r0 = rs.begin + ty;
-  const uint32_t r_in = min(rs.end, uint32_t(m));  // rows with input
-  const int64_t step_in = int64_t(tile.rows) * k, step_out = int64_t(tile.rows) * (k / 2);
-  const T* p = in + int64_t(r0) * k + col * 16;
-  uint8_t* q = out + int64_t(r0) * (k / 2) + col * 8;
+  const uint32_t r0 = blockIdx.y * uint32_t(tile.rows) + ty, rstep = gridDim.y * uint32_t(tile.rows);
+  const auto store_sf = [&](uint32_t r, uint8_t s) {
+    if (SWIZZLE) {
+      sf[swz_row(r, kt) + colpart] = s;
+    } else {
+      sf[int64_t(r) * kb + col] = s;
+    }
+  };
   uint32_t r = r0;
   if (col < kb) {
     // No software prefetch here: measured on the H200 it cost 3-7% at M >= 8192 (the experts and
-    // masked kernels gain from it, csrc/quant/PERF_NOTES.md).
-    for (; r < r_in; r += tile.rows, p += step_in, q += step_out) {
-      const uint8_t s = quant_block_at<T, UE8M0>(p, q, gs, os);
-      if (SWIZZLE) {
-        sf[swz_row(r, kt) + colpart] = s;
-      } else {
-        sf[int64_t(r) * kb + col] = s;
-      }
-    }
+    // masked kernels gain from it, csrc/quant/PERF_NOTES.md), and a cp.async ring of 3 blocks per thread
+    // in shared memory did not beat the direct loads either (PERF_NOTES, fourth session).
+    const int64_t step_in = int64_t(rstep) * k, step_out = int64_t(rstep) * (k / 2);
+    const T* p = in + int64_t(r0) * k + col * 16;
+    uint8_t* q = out + int64_t(r0) * (k / 2) + col * 8;
+    for (; r < uint32_t(m); r += rstep, p += step_in, q += step_out) store_sf(r, quant_block_at<T, UE8M0>(p, q, gs, os));
   }
-  for (; r < rs.end; r += tile.rows) {  // padding rows and padding columns of the swizzled layout
-    if (SWIZZLE) {
-      sf[swz_row(r, kt) + colpart] = 0;
-    } else {
-      sf[int64_t(r) * kb + col] = 0;
-    }
-  }
+  for (; r < uint32_t(m_pad); r += rstep) store_sf(r, 0);  // padding rows and padding columns of the swizzled layout
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -348,10 +340,24 @@ __global__ void __launch_bounds__(kThreads)
     ExpertOutScales os{os_table, -1};
     const uint32_t kt = uint32_t(kb_pad) >> 2;
     const uint32_t colpart = swz_col(uint32_t(col));
-    const Slice grp_rows = row_slice(uint32_t(sf_rows) / kDenseGroupRows, 1);
+    // CTA y takes the 128-row scale tiles y, y + gridDim.y, ... and the 16 groups of each in order: the
+    // grid sweeps the rows together (as nvfp4_dense_kernel does) and the expert changes at most once per tile.
+    const uint32_t n_tiles = uint32_t(sf_rows) / 128u;
+    const auto next_grp = [&](uint32_t grp) {
+      return (grp & 15u) != 15u ? grp + 1 : grp + 1 + 16u * (gridDim.y - 1);
+    };
+    const uint32_t grp_begin = 16u * blockIdx.y, grp_end = 16u * n_tiles;
     const uint32_t sub = group_sub(ty);
     int32_t lo = 0, hi = 0, base = 0, cnt = 0, e = -1;  // cached expert: scale rows [lo, hi) <- input rows base + [0, cnt)
     float gs = 0.0f;
+    const auto move_to = [&](int32_t r) {  // the expert of scale row r, in [bo[0], bo[E])
+      e = find_segment(bo, num_experts, r);
+      lo = bo[e];
+      hi = bo[e + 1];
+      base = eo[e];
+      cnt = eo[e + 1] - base;
+      gs = __ldg(gsp + e);
+    };
     // Blockscale offsets are documented as multiples of 128 (each 128-row tile then has one expert, the
     // out_scale table is per tile). Offsets that are not (nothing checks them without a host sync) take
     // a per-row expert lookup with the out_scale computed per block: the same bytes, slower.
@@ -359,17 +365,12 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = threadIdx.x; i <= num_experts; i += blockDim.x) ok = ok && (bo[i] & 127) == 0;
     const bool aligned = __syncthreads_and(ok) != 0;
     if (aligned) {
-      for (uint32_t grp = grp_rows.begin; grp < grp_rows.end; ++grp) {  // the same steps in every thread
+      for (uint32_t grp = grp_begin; grp < grp_end; grp = next_grp(grp)) {  // the same steps in every thread
         const int32_t tile_row = int32_t(128u * (grp >> 4));  // the step's rows lie in this 128-row tile
         if (int64_t(tile_row) >= int64_t(b_last)) break;     // the tail tiles: zeroed in bulk below
         const bool owned = tile_row >= b_first;               // tiles of [bo[0], bo[E]) belong to one expert
         if (owned && (tile_row < lo || tile_row >= hi)) {
-          e = find_segment(bo, num_experts, tile_row);
-          lo = bo[e];
-          hi = bo[e + 1];
-          base = eo[e];
-          cnt = eo[e + 1] - base;
-          gs = __ldg(gsp + e);
+          move_to(tile_row);
           os.use(e, rcp_or_zero(gs));
         }
         if (col >= kb_pad) continue;
@@ -383,20 +384,13 @@ __global__ void __launch_bounds__(kThreads)
         sf[swz_row(uint32_t(r), kt) + colpart] = s;
       }
     } else {
-      for (uint32_t grp = grp_rows.begin; grp < grp_rows.end && col < kb_pad; ++grp) {
+      for (uint32_t grp = grp_begin; grp < grp_end && col < kb_pad; grp = next_grp(grp)) {
         const int32_t tile_row = int32_t(128u * (grp >> 4));
         if (int64_t(tile_row) >= int64_t(b_last)) break;
         const int32_t r = tile_row + int32_t(group_row_in_tile(grp, sub));
         uint8_t s = 0;
         if (r >= b_first && r < b_last && col < kb) {
-          if (r < lo || r >= hi) {
-            e = find_segment(bo, num_experts, r);
-            lo = bo[e];
-            hi = bo[e + 1];
-            base = eo[e];
-            cnt = eo[e + 1] - base;
-            gs = __ldg(gsp + e);
-          }
+          if (r < lo || r >= hi) move_to(r);
           const int32_t row = base + (r - lo);
           if (r - lo < cnt && row >= 0 && row < m) {
             s = quant_block_at<T, false>(in + int64_t(row) * k + col * 16, out + int64_t(row) * (k / 2) + col * 8,
@@ -811,7 +805,7 @@ cudaError_t launch_dense(const void* input, const float* gs, uint8_t* out, uint8
   Tile tile = make_tile(kb_pad);
   int per_sm = per_sm_rows;
   if constexpr (SWIZZLE) {
-    if (dense_uses_groups<T>(m_pad, k, kb_pad)) {
+    if (dense_uses_groups(m_pad, kb_pad)) {
       kernel = nvfp4_dense_kernel<T, true, UE8M0, true>;
       static const int per_sm_groups = resident_ctas(kernel);
       tile = Tile{32, kDenseGroupRows};
