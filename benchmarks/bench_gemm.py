@@ -554,6 +554,8 @@ def make_plan(args) -> dict:
                     max_m=MASKED_MAX_M)
     if args.dense_m:
         plan["dense_m"] = [int(v) for v in args.dense_m.split(",")]
+    if args.tokens:
+        plan["tokens"] = [int(v) for v in args.tokens.split(",")]
     if args.skip_dense:
         plan["dense_shapes"] = []
     if args.skip_grouped:
@@ -571,6 +573,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-masked", action="store_true")
     ap.add_argument("--no-marlin", action="store_true")
     ap.add_argument("--dense-m", default=None, help="comma-separated dense M values (default: the issue's)")
+    ap.add_argument("--tokens", default=None, help="comma-separated grouped token counts (default: the issue's)")
     ap.add_argument("--no-precompile", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs on the CPU interpreter too): checks the script")
     args = ap.parse_args(argv)

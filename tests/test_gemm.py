@@ -290,6 +290,36 @@ def test_grouped_w4a4_and_empty():
     assert w4_grouped(x[:0], p, zero).shape == (0, n)
 
 
+@pytest.mark.parametrize("cfg", [None, V2_8, W4Config(bn=64, bm=16, bk=64, m_split=2)])
+def test_grouped_fewer_rows_than_experts(cfg):
+    """Decode-sized routing (rows < experts): the grid has one slot per possible active expert and each
+    finds its expert from the offsets; empty experts between, rows past expert_offsets[E], gather and
+    scatter, and offsets that give no expert any row."""
+    num_e, n, k = 40, 48, 64
+    dtype = torch.bfloat16
+    w = make_weight((num_e,), n, k, seed=61)
+    p = prepack(w, dtype)
+    counts = torch.zeros(num_e, dtype=torch.int64)
+    counts[[0, 17, 39]] = torch.tensor([2, 1, 3])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32).to(DEV)
+    x = act((7, k), dtype, seed=62)  # 6 routed rows and one past expert_offsets[E]
+    y = w4_grouped(x, p, offsets, config=cfg)
+    y_ref = grouped_ref(x, w, offsets)
+    assert ulp_error(y[:6].cpu(), y_ref[:6], dtype, "grouped_few_rows") <= 2
+    order = torch.tensor([3, 0, 6, 1, 5, 2], dtype=torch.int32, device=DEV)
+    y = w4_grouped(x, p, offsets, gather_idx=order, scatter_idx=order, num_out_rows=7, config=cfg)
+    y_ref = grouped_ref(x, w, offsets, gather=order, scatter=order, n_out=7)
+    assert ulp_error(y.cpu(), y_ref, dtype, "grouped_few_rows_gather_scatter") <= 2
+    one = torch.zeros(num_e + 1, dtype=torch.int32, device=DEV)
+    one[24:] = 2  # both rows in expert 23
+    y = w4_grouped(x[:2], p, one, config=cfg)
+    assert ulp_error(y.cpu(), grouped_ref(x[:2], w, one), dtype, "grouped_few_rows_one_expert") <= 2
+    zero = torch.zeros(num_e + 1, dtype=torch.int32, device=DEV)
+    out = torch.full((3, n), 7.0, dtype=dtype, device=DEV)
+    w4_grouped(x[:3], p, zero, out=out, config=cfg)
+    assert (out == 7).all()
+
+
 @settings(max_examples=8, deadline=None, derandomize=True)
 @given(counts=st.lists(st.integers(0, 11), min_size=1, max_size=5), nb=st.integers(1, 9), kb=st.integers(1, 9),
        cfg=st.sampled_from([None, V2_8, V3_16, W4Config(bn=64, bm=16, bk=64, m_split=3)]), gather=st.booleans(),

@@ -91,7 +91,7 @@ def _dummy(device) -> torch.Tensor:
 
 def _launch(kind_mode: int, x, w: PackedW4Weight, y, cfg: W4Config, m: int, grid, *, aux=None, gather=None,
             scatter=None, row_scale=None, act_scale=None, act_scale_mode: int = 0, bias=None, ws=None, cnt=None,
-            stride_xm=0, stride_xe=0, stride_ym=0, stride_ye=0):
+            stride_xm=0, stride_xe=0, stride_ym=0, stride_ye=0, compact_experts: int = 0):
     lay = w.layout
     if lay.n_pad % cfg.bn:
         # the weight, scale and alpha loads of a tile are unmasked along N: they stay in bounds only
@@ -106,7 +106,7 @@ def _launch(kind_mode: int, x, w: PackedW4Weight, y, cfg: W4Config, m: int, grid
             aux if aux is not None else d, gather if gather is not None else d,
             scatter if scatter is not None else d, row_scale if row_scale is not None else d,
             act_scale if act_scale is not None else d, ws if ws is not None else d, cnt if cnt is not None else d,
-            m, lay.n, k, lay.k_pad,
+            m, lay.n, k, lay.k_pad, max(compact_experts, 1),
             stride_xm, stride_xe, w.words.stride(0), w.words.stride(1), w.scales.stride(0), w.scales.stride(1),
             w.alpha.stride(0), stride_ym, stride_ye,
             cfg.split_k if kind_mode == 0 else 1, max(cfg.m_split, 1), cfg.group_m,
@@ -115,6 +115,7 @@ def _launch(kind_mode: int, x, w: PackedW4Weight, y, cfg: W4Config, m: int, grid
             EVEN_K=int(k % cfg.bk == 0), HAS_BIAS=int(bias is not None),
             HAS_GATHER=int(gather is not None), HAS_SCATTER=int(scatter is not None),
             HAS_ROWSCALE=int(row_scale is not None), ACT_SCALE=act_scale_mode, SS=int(cfg.ss),
+            COMPACT=int(compact_experts > 0), E_P2=1 << (max(compact_experts, 1) - 1).bit_length(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -339,11 +340,14 @@ def w4_grouped(x: torch.Tensor, weight: PackedW4Weight, expert_offsets: torch.Te
         x = x.contiguous()
     cfg = config or select_config("grouped", rows, n, k, num_e, device=x.device)
     ms = _m_split(cfg, rows, num_e)
-    grid = (triton_cdiv(n, cfg.bn), num_e * ms)
+    # At most `rows` experts have rows: fewer rows than experts (decode) launch one slot per possible
+    # active expert, each finding its expert from the offsets on the device (no host sync).
+    compact = num_e if rows < num_e <= 1024 else 0
+    grid = (triton_cdiv(n, cfg.bn), (rows if compact else num_e) * ms)
     cfg = W4Config(**{**cfg.__dict__, "m_split": ms, "split_k": 1})
     _launch(1, x, weight, out, cfg, rows, grid, aux=expert_offsets, gather=gather_idx, scatter=scatter_idx,
             row_scale=row_scale, act_scale=act_scale, act_scale_mode=act_mode, stride_xm=x.stride(0),
-            stride_ym=out.stride(0))
+            stride_ym=out.stride(0), compact_experts=compact)
     return out
 
 

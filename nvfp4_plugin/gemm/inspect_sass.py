@@ -29,7 +29,7 @@ from .select import W4Config  # noqa: E402
 _SIG = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*i16", "alpha_ptr": "*fp32", "bias_ptr": "*bf16",
         "y_ptr": "*bf16", "aux_ptr": "*i32", "gather_ptr": "*i32", "scatter_ptr": "*i32", "rowscale_ptr": "*fp32",
         "actscale_ptr": "*fp32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
-        "K_pad": "i32", "stride_xm": "i32", "stride_xe": "i32", "stride_qe": "i32", "stride_qn": "i32",
+        "K_pad": "i32", "NUM_E": "i32", "stride_xm": "i32", "stride_xe": "i32", "stride_qe": "i32", "stride_qn": "i32",
         "stride_se": "i32", "stride_sn": "i32", "stride_ae": "i32", "stride_ym": "i32", "stride_ye": "i32",
         "SPLIT_K": "i32", "M_SPLIT": "i32", "GROUP_M": "i32"}
 _DIV16 = {"N", "K", "K_pad", "stride_xm", "stride_xe", "stride_qe", "stride_qn", "stride_se", "stride_sn",
@@ -46,7 +46,7 @@ def compile_config(cfg: W4Config, *, mode: int = 0, fp16: bool = False, even_k: 
             sig[k] = "*fp16"
     const = dict(MODE=mode, DT=int(fp16), BN=cfg.bn, BM=cfg.bm, BK=cfg.bk, IS_SPLIT=int(cfg.split_k > 1),
                  V2=int(cfg.v2), USE_ASM=1, EVEN_K=int(even_k), SS=int(cfg.ss),
-                 HAS_BIAS=0, HAS_GATHER=0, HAS_SCATTER=0, HAS_ROWSCALE=0, ACT_SCALE=0)
+                 HAS_BIAS=0, HAS_GATHER=0, HAS_SCATTER=0, HAS_ROWSCALE=0, ACT_SCALE=0, COMPACT=0, E_P2=1)
     const.update(flags)
     for k in const:
         sig[k] = "constexpr"

@@ -299,17 +299,18 @@ def _epilogue(acc, y_ptr, stride_ym, offs_n, n_ok, dst_rows, row_ok, alpha_ptr, 
     tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & row_ok[None, :])
 
 
-@_jit(do_not_specialize=["M", "SPLIT_K", "M_SPLIT", "GROUP_M"])
+@_jit(do_not_specialize=["M", "SPLIT_K", "M_SPLIT", "GROUP_M", "NUM_E"])
 def w4_gemm_kernel(
         x_ptr, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr,
         aux_ptr, gather_ptr, scatter_ptr, rowscale_ptr, actscale_ptr, ws_ptr, cnt_ptr,
-        M, N, K, K_pad,
+        M, N, K, K_pad, NUM_E,
         stride_xm, stride_xe, stride_qe, stride_qn, stride_se, stride_sn, stride_ae, stride_ym, stride_ye,
         SPLIT_K, M_SPLIT, GROUP_M,
         MODE: tl.constexpr, DT: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
         IS_SPLIT: tl.constexpr, V2: tl.constexpr,
         USE_ASM: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GATHER: tl.constexpr,
-        HAS_SCATTER: tl.constexpr, HAS_ROWSCALE: tl.constexpr, ACT_SCALE: tl.constexpr, SS: tl.constexpr = 0):
+        HAS_SCATTER: tl.constexpr, HAS_ROWSCALE: tl.constexpr, ACT_SCALE: tl.constexpr, SS: tl.constexpr = 0,
+        COMPACT: tl.constexpr = 0, E_P2: tl.constexpr = 1):
     R: tl.constexpr = BN // 2
     KA: tl.constexpr = BK // 64
     n_tiles = _cdiv(N, BN)
@@ -330,6 +331,17 @@ def w4_gemm_kernel(
         pid_n = tl.program_id(0)
         pe = tl.program_id(1)
         e = pe // M_SPLIT
+        e_ok = True
+        if COMPACT:
+            # MODE 1 with fewer rows than experts: program slot e serves the (e+1)-th expert that has rows
+            # (a grid of min(E, rows) slots instead of E, most of which would find no rows).
+            ie = tl.arange(0, E_P2)
+            lo_e = tl.load(aux_ptr + ie, mask=ie < NUM_E, other=0)
+            hi_e = tl.load(aux_ptr + ie + 1, mask=ie < NUM_E, other=0)
+            seen = tl.cumsum((hi_e > lo_e).to(tl.int32), 0)
+            e = tl.sum((seen <= e).to(tl.int32), 0)
+            e_ok = e < NUM_E
+            e = tl.where(e_ok, e, 0)
         e64 = e.to(tl.int64)
         pid_k = 0
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -377,7 +389,7 @@ def w4_gemm_kernel(
         split = pe % M_SPLIT
         if MODE == 1:
             row_lo = tl.load(aux_ptr + e)
-            row_hi = tl.load(aux_ptr + e + 1)
+            row_hi = tl.where(e_ok, tl.load(aux_ptr + e + 1), row_lo)
             x_e = x_ptr
             y_e = y_ptr
         else:
