@@ -314,6 +314,11 @@ def test_grouped_fewer_rows_than_experts(cfg):
     one[24:] = 2  # both rows in expert 23
     y = w4_grouped(x[:2], p, one, config=cfg)
     assert ulp_error(y.cpu(), grouped_ref(x[:2], w, one), dtype, "grouped_few_rows_one_expert") <= 2
+    # as many slots as active experts, expert 0 empty: slot i must take the (i+1)-th expert with rows
+    three = torch.zeros(num_e + 1, dtype=torch.int32, device=DEV)
+    three[6:], three[21:], three[40:] = 1, 2, 3  # one row each in experts 5, 20 and 39
+    y = w4_grouped(x[:3], p, three, config=cfg)
+    assert ulp_error(y.cpu(), grouped_ref(x[:3], w, three), dtype, "grouped_few_rows_one_each") <= 2
     zero = torch.zeros(num_e + 1, dtype=torch.int32, device=DEV)
     out = torch.full((3, n), 7.0, dtype=dtype, device=DEV)
     w4_grouped(x[:3], p, zero, out=out, config=cfg)

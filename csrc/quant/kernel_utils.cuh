@@ -55,8 +55,9 @@ __device__ __forceinline__ Slice cta_slice(uint32_t n) {
 // Row-block tiling of the NVFP4 kernels: a CTA (tile_threads(): rows * cols rounded up to whole
 // warps, the extra threads idle in the tiled phase) is `rows` x `cols` threads; thread (ty, tx) owns the
 // 16-value block column blockIdx.x * cols + tx and walks the rows ty, ty + rows, ... of the CTA's
-// contiguous row slice (blockIdx.y). Addresses then advance by a constant per step, a warp reads
-// consecutive blocks of a row (or whole short rows), and the per-thread expert cache stays warm.
+// contiguous row slice (blockIdx.y; the dense kernel instead takes every gridDim.y-th row step).
+// Addresses then advance by a constant per step, a warp reads consecutive blocks of a row (or whole
+// short rows), and the per-thread expert cache stays warm.
 struct Tile {
   int32_t cols;  // block columns per CTA
   int32_t rows;  // rows per CTA step; rows * cols <= kThreads
@@ -199,7 +200,7 @@ inline int grid_for(uint64_t units, int num_sms, int per_sm) {
   return int(want < 1 ? 1 : (want < cap ? want : cap));
 }
 
-// Grid of a tiled NVFP4 kernel: x = column tiles, y = row slices; at most one GPU wave, and at
+// Grid of a tiled NVFP4 kernel: x = column tiles, y = row slices (or row-step residues); at most one GPU wave, and at
 // least as many CTAs as `extra_units` 1D work items need (zero-fill phases).
 inline dim3 tile_grid(const Tile& t, int32_t kb_cols, uint64_t rows, uint64_t extra_units, int num_sms, int per_sm) {
   const uint64_t gx = uint64_t((kb_cols + t.cols - 1) / t.cols);

@@ -3,9 +3,10 @@
 //
 // One thread quantizes one 16-value block (32 bytes of bf16/fp16, 64 of fp32): its amax, scale and
 // codes need no communication. Threads are tiled rows x block-columns (see Tile): a warp reads 32
-// consecutive blocks of a row (1 KB), each thread walks down its column through the CTA's slice of
-// rows with constant address steps. The grid fills the GPU once (or less for small problems), so
-// every SM streams; small problems spread their rows over as many CTAs as they have.
+// consecutive blocks of a row (1 KB), each thread walks down its column with constant address steps
+// (the dense kernel through every gridDim.y-th row step, the others through the CTA's slice of rows).
+// The grid fills the GPU once (or less for small problems), so every SM streams; small problems
+// spread their rows over as many CTAs as they have.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -104,7 +105,7 @@ inline bool groups_choice(bool can, bool measured) {
 // (H200, 2026-11-25: M=1..1024 3-12% faster than the row-block tile). Larger inputs keep the row-block
 // tile: with the grid-wide row order (nvfp4_dense_kernel) neighbouring CTAs write the rows of one scale
 // sector close together in time, and the row-block tile measured faster there (32768 x 2048 / 4096 / 7168:
-// 83.0 / 85.9 / 85.2% of copy against 79.2 / 82.2 / 83.7% in groups; the groups tile had been taken for
+// 82.8 / 85.9 / 85.2% of copy against 79.2 / 82.2 / 83.7% in groups; the groups tile had been taken for
 // >= 3x L2 of input, where the slice order left scale sectors half-written for long: 61 -> 82%).
 // The linear layout writes whole sectors either way and keeps the row-block tile.
 inline bool dense_uses_groups(int64_t m_pad, int32_t kb_pad) { return groups_choice(kb_pad >= 32, m_pad <= 1024); }
@@ -318,8 +319,8 @@ __global__ void __launch_bounds__(kThreads)
 // (rows 2s, 2s+1, 2s+32, ... of a 128-row scale tile), so each 4-column scale sector is written whole
 // within one step. Every 128-row scale tile belongs to one expert (blockscale offsets are multiples of
 // 128): scale row r of expert e is input row eo[e] + (r - bo[e]) while that is below eo[e+1], else a
-// padding row (zero scale); rows outside [bo[0], bo[E]) are zero too. Every scale byte is written here,
-// so there is no zero-fill phase; input rows that no expert owns get zero codes in a short second loop.
+// padding row (zero scale); rows outside [bo[0], bo[E]) are zero too. The scale tiles past bo[E] are
+// zeroed in bulk after the loop, and input rows that no expert owns get zero codes in a short last loop.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     nvfp4_experts_groups_kernel(const T* __restrict__ in, const float* __restrict__ gsp,
@@ -862,7 +863,8 @@ cudaError_t launch_experts(const void* input, const float* gs, const int32_t* eo
     if (err != cudaSuccess) return err;
     static const int per_sm_groups = resident_ctas(gkernel, 2048 * sizeof(int32_t));
     const Tile gtile{32, kDenseGroupRows};
-    const dim3 grid = tile_grid(gtile, kb_pad, uint64_t(sf_rows), 0, num_sms, per_sm_groups);
+    // CTA rows take whole 128-row scale tiles: at most one per tile (grid.y <= sf_rows / 128)
+    const dim3 grid = tile_grid(gtile, kb_pad, uint64_t(sf_rows / 128) * kDenseGroupRows, 0, num_sms, per_sm_groups);
     gkernel<<<grid, tile_threads(gtile), gsmem, stream>>>(static_cast<const T*>(input), gs, eo, bo, out, sf,
                                                           int32_t(m), int32_t(k), kb, kb_pad, num_experts,
                                                           int32_t(sf_rows));
