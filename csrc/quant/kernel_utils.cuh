@@ -200,8 +200,8 @@ inline int grid_for(uint64_t units, int num_sms, int per_sm) {
   return int(want < 1 ? 1 : (want < cap ? want : cap));
 }
 
-// Grid of a tiled NVFP4 kernel: x = column tiles, y = row slices (or row-step residues); at most one GPU wave, and at
-// least as many CTAs as `extra_units` 1D work items need (zero-fill phases).
+// Grid of a tiled NVFP4 kernel: x = column tiles, y = row slices (or row-step residues); at most one
+// GPU wave, and at least as many CTAs as `extra_units` 1D work items need (zero-fill phases).
 inline dim3 tile_grid(const Tile& t, int32_t kb_cols, uint64_t rows, uint64_t extra_units, int num_sms, int per_sm) {
   const uint64_t gx = uint64_t((kb_cols + t.cols - 1) / t.cols);
   const uint64_t cap = gpu_ctas(num_sms, per_sm);

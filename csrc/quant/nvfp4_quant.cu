@@ -883,7 +883,6 @@ cudaError_t launch_experts(const void* input, const float* gs, const int32_t* eo
   return cudaGetLastError();
 }
 
-
 template <typename T, bool SILU, bool ZERO_FILL>
 cudaError_t launch_masked(const void* input, const float* gs, const int32_t* mask, uint8_t* out, uint8_t* sf,
                           int num_experts, int64_t max_m, int64_t k, int num_sms, cudaStream_t stream) {

@@ -23,10 +23,10 @@ constexpr bool kIs16Bit = sizeof(T) == 2;
 
 #if defined(__CUDACC__)
 
-// Read-only 16-byte load through the non-coherent path (the input is never written by the kernel).
 // Ask L2 to fetch the line holding p (no register result, nothing to wait for).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
+// Read-only 16-byte load through the non-coherent path (the input is never written by the kernel).
 __device__ __forceinline__ uint4 ld_nc16(const void* p) {
   uint4 v;
   asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
