@@ -589,6 +589,141 @@ def test_gpu_masked_shapes(max_m):
         assert (out[e, v:] == 5).all()
 
 
+# ----------------------------------------------------------------------------------------------
+# the compiled decode kernel (csrc/gemm/w4_decode.cu), dense <= 16 rows
+# ----------------------------------------------------------------------------------------------
+
+CUDA_VARIANTS = [W4Config(cuda=True, num_warps=w, bk=bk, num_stages=s)
+                 for w, bk, s in ((4, 128, 2), (8, 1024, 8), (16, 4096, 3), (8, 512, 1))]
+
+
+def test_cuda_decode_config_errors():
+    """config=W4Config(cuda=True) names why it cannot run: too many rows, or no compiled kernel here."""
+    w = make_weight((), 64, 64, seed=3)
+    p = prepack(w, torch.bfloat16)
+    with pytest.raises(ValueError, match="cuda=True serves 1..16 rows, got 17"):
+        w4_linear(act((17, 64), torch.bfloat16, seed=1), p, config=W4Config(cuda=True, num_warps=8))
+    with pytest.raises(ValueError, match="num_warps 4, 8 or 16, num_stages 1..8"):
+        W4Config(cuda=True, num_warps=8, num_stages=9)
+    with pytest.raises(ValueError, match="bk a multiple of 128"):
+        W4Config(cuda=True, num_warps=8, bk=192)
+    with pytest.raises(ValueError, match="num_warps 4, 8 or 16"):
+        W4Config(cuda=True, num_warps=2)
+    if not ON_GPU:
+        with pytest.raises(ValueError, match="cannot run on cpu"):
+            w4_linear(act((1, 64), torch.bfloat16, seed=1), p, config=W4Config(cuda=True, num_warps=8))
+
+
+def test_cuda_decode_split_fits_shared_memory():
+    """K splits are raised until a CTA's activations and two chunks fit; atoms per split and per chunk are
+    even and cover K; the stages are as many as fit, up to the config's."""
+    for m in (1, 8, 9, 16):
+        for k in (16, 64, 2048, 4096, 14336, 65536):
+            for cfg in CUDA_VARIANTS:
+                for split in (1, 3, 64):
+                    c = W4Config(**{**cfg.__dict__, "split_k": split})
+                    per, n_split, chunk, stages = gsel.cuda_decode_split(m, k, c)
+                    atoms = -(-k // 64)
+                    assert per % 2 == 0 and per >= 2 and n_split == -(-atoms // per) and (n_split - 1) * per < atoms
+                    assert chunk % 2 == 0 and 2 <= chunk <= max(per, 2) and chunk <= max(2, c.bk // 64)
+                    assert 1 <= stages <= c.num_stages
+                    assert gsel.cuda_decode_smem(m, per, chunk, c.num_warps, stages) <= gsel.CUDA_MAX_SMEM, (m, k, c)
+                    more = gsel.cuda_decode_smem(m, per, chunk, c.num_warps, stages + 1)
+                    assert stages == c.num_stages or more > gsel.CUDA_MAX_SMEM, (m, k, c, stages)
+    # 16 rows of K=65536 do not fit in one CTA's shared memory
+    assert gsel.cuda_decode_split(16, 65536, CUDA_VARIANTS[1])[1] >= 2
+    for n, k in ((28672, 4096), (6144, 4096), (4096, 14336), (7168, 2048), (2048, 7168), (64, 16)):
+        for m in (1, 4, 16):
+            cfg = gsel.cuda_decode_config(m, n, k, 132)
+            per, split, chunk, stages = gsel.cuda_decode_split(m, k, cfg)
+            assert cfg.cuda and per * m * 128 <= gsel.CUDA_X_SMEM or per == 2, (m, n, k, per)
+            assert stages >= min(2, cfg.num_stages), (m, n, k, per, split, stages)
+
+
+def test_cuda_decode_selection(monkeypatch):
+    """Dense calls of <= 16 rows take the compiled kernel where it runs, nothing else does."""
+    assert select_config("dense", 16, 4096, 4096, allow_cuda=True).cuda
+    assert not select_config("dense", 17, 4096, 4096, allow_cuda=True).cuda
+    assert not select_config("dense", 1, 4096, 4096).cuda
+    assert not select_config("grouped", 8, 4096, 4096, 8, allow_cuda=True).cuda
+    from nvfp4_plugin.gemm import api
+    monkeypatch.setenv(api.ENV_CUDA_DECODE, "0")
+    assert not api.use_cuda_decode(1, DEV)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_decode_is_built_and_chosen():
+    """The GPU session builds the extension: the decode kernel must be there and serve <= 16 rows."""
+    from nvfp4_plugin.gemm import api
+    assert api._cuda_decode_reason(DEV) is None
+    assert api.use_cuda_decode(16, DEV) and not api.use_cuda_decode(17, DEV)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(64, 16), (100, 208), (1000, 4112), (2048, 7168)])
+def test_gpu_cuda_decode(dtype, n, k):
+    """The compiled decode GEMM: rows 1..16 (one or two 8-token mma tiles), every (warps, batch) variant,
+    K splits (one, uneven, two atoms per CTA), biases of both dtypes, strided and misaligned rows."""
+    w = make_weight((), n, k, seed=n + k)
+    p = prepack(w, dtype)
+    atoms = -(-k // 64)
+    bias_act = act((n,), dtype, seed=3)
+    bias_f32 = act((n,), torch.float32, seed=4)
+    for m in (1, 2, 7, 8, 9, 16):
+        big = act((m, k + 32), dtype, seed=m)
+        for x in (big[:, :k].contiguous(), big[:, 16:k + 16], big[:, 1:k + 1]):   # last: not 16-byte aligned
+            y_ref = dense_ref(x, w)
+            for cfg, split in zip(CUDA_VARIANTS * 2, (1, 3, atoms, 2, 5, 1, 7, atoms // 2 + 1)):   # 1 stage: no overlap
+                c = W4Config(**{**cfg.__dict__, "split_k": split})
+                assert ulp_error(w4_linear(x, p, config=c), y_ref, dtype, f"cuda_decode/{dtype}") <= 2, (m, c)
+            for bias in (bias_act, bias_f32):
+                c = W4Config(cuda=True, num_warps=8, bk=256, split_k=2)
+                y = w4_linear(x, p, bias, config=c)
+                assert ulp_error(y, dense_ref(x, w, bias), dtype, f"cuda_decode_bias/{dtype}") <= 2, (m, bias.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_cuda_decode_w4a4_shards_graph(dtype):
+    """w4a4 (activation scale in the epilogue), per-shard global scales, zero-scale blocks, determinism
+    over K splits, CUDA-graph capture and replay, and a CTA count below the tile count."""
+    n, k = 384, 1024
+    w = make_weight((), n, k, seed=21)
+    bs = w.block_scale.clone()
+    bs.view(torch.uint8)[5, :3] = 0
+    w = Nvfp4Weight(w.packed, bs, w.global_scale)
+    ws = Nvfp4Weight.from_shards(w.packed, w.block_scale, [w.global_scale[0].item() * f for f in (1.0, 0.3, 3.0)],
+                                 [128, 192, 64])
+    for wt in (w, ws):
+        p = prepack(wt, dtype)
+        x = act((5, k), dtype, seed=22)
+        gs = nx.tensor_global_scale(x.float()).reshape(1)
+        y4 = w4_linear(x, p, mode="w4a4", input_global_scale=gs)
+        assert ulp_error(y4, dense_ref(x, wt, mode="w4a4", gs=gs), dtype, f"cuda_decode_w4a4/{dtype}") <= 2
+        cfg = W4Config(cuda=True, num_warps=4, bk=256, num_stages=3, split_k=3)
+        y1 = w4_linear(x, p, config=cfg)
+        assert torch.equal(y1, w4_linear(x, p, config=cfg))
+        assert ulp_error(y1, dense_ref(x, wt), dtype, f"cuda_decode/{dtype}") <= 2
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            yg = w4_linear(x, p, config=cfg)
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(yg, y1)
+    # fewer CTAs than 16-row tiles: each CTA loops over several tiles (both partial-sum slots, every ring
+    # stage refilled)
+    from nvfp4_plugin import _cuda_ops
+    p = prepack(w, dtype)
+    x = act((3, k), dtype, seed=23)
+    y = torch.empty((3, n), dtype=dtype, device=DEV)
+    d = torch.zeros(16, dtype=torch.int32, device=DEV)
+    _cuda_ops._ops().w4_decode_gemm(x, p.words[0], p.scales[0], p.alpha[0], None, None, y, d.float(), d, n, k,
+                                    k // 64, 8, 4, 2, 5)
+    assert ulp_error(y, dense_ref(x, w), dtype, f"cuda_decode/{dtype}") <= 2
+
+
 @pytest.mark.gpu
 def test_gpu_uses_compiled_kernels():
     assert not triton_w4.INTERPRET
