@@ -24,7 +24,7 @@ import sys
 from setuptools import setup
 
 DEFAULT_ARCHS = "9.0a;10.0a;10.3a"
-CSRC_SOURCES = ["csrc/bindings.cpp", "csrc/quant/nvfp4_quant.cu", "csrc/quant/fp8_quant.cu", "csrc/gemm/w4_decode.cu"]
+CSRC_SOURCES = ["csrc/bindings.cpp", "csrc/quant/nvfp4_quant.cu", "csrc/quant/fp8_quant.cu"]
 # Device-code flags: IEEE fp32 (no FMA contraction of the numerics' op sequences, no fast math,
 # denormals kept), C++17. Keep in sync with tests/test_csrc_compile.py.
 NVCC_FLAGS = ["-O3", "-std=c++17", "-fmad=false", "--expt-relaxed-constexpr"]

@@ -39,7 +39,6 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from nvfp4_plugin.gemm import api as gapi  # noqa: E402
 from nvfp4_plugin.gemm import W4Config, select_config, w4_dequantize, w4_grouped, w4_linear, w4_masked  # noqa: E402
 from nvfp4_plugin.gemm.layout import HopperW4Layout, PackedW4Weight  # noqa: E402
 
@@ -366,24 +365,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-#: CUDA decode kernel variants the sweep times: (consumer warps, chunk K, stages)
-CUDA_SWEEP = ((8, 4096, 2), (8, 4096, 3), (4, 4096, 2), (4, 4096, 3), (16, 4096, 2), (8, 2048, 4), (4, 2048, 4),
-              (8, 1024, 4))
-
-
-def _cuda_sweep(x, packs, m, n, k, graph_time) -> dict:
-    """CUDA decode kernel variants (:data:`CUDA_SWEEP`) at the heuristic K split and twice it."""
-    base = select_config("dense", m, n, k, allow_cuda=True)
-    out = {}
-    for warps, bk, stages in CUDA_SWEEP:
-        for split in sorted({base.split_k, 2 * base.split_k}):
-            cfg = W4Config(cuda=True, num_warps=warps, bk=bk, num_stages=stages, split_k=split)
-            out[f"w{warps}c{bk // 64}st{stages}s{split}"] = round(
-                graph_time([lambda p=p: w4_linear(x, p, config=cfg) for p in packs]) * 1e6, 2)
-    return out
-
-
-def bench_dense(copy_bw: float, with_marlin: bool, ms=DENSE_M, shapes=DENSE_SHAPES, cuda_sweep: bool = False):
+def bench_dense(copy_bw: float, with_marlin: bool, ms=DENSE_M, shapes=DENSE_SHAPES):
     rows = []
     for (n, k) in shapes:
         p0 = random_packed((), n, k, seed=n + k)
@@ -396,7 +378,7 @@ def bench_dense(copy_bw: float, with_marlin: bool, ms=DENSE_M, shapes=DENSE_SHAP
         marlin, why = (marlin_or_reason(p0) if with_marlin else (None, "not requested"))
         for m in ms:
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-            cfg = select_config("dense", m, n, k, allow_cuda=gapi.use_cuda_decode(m, x.device))
+            cfg = select_config("dense", m, n, k)
             ours = [lambda p=p: w4_linear(x, p) for p in packs]
             base = [lambda w=w: torch.mm(x, w.t()) for w in w16s]
             err = rel_err(w4_linear(x, p0), torch.mm(x, w16.t()))
@@ -405,12 +387,7 @@ def bench_dense(copy_bw: float, with_marlin: bool, ms=DENSE_M, shapes=DENSE_SHAP
             row = dict(N=n, K=k, M=m, ours_us=t_ours * 1e6, cublas_us=t_base * 1e6, speedup=t_base / t_ours,
                        weight_TBps=nbytes / t_ours / 1e12, frac_copy_bw=nbytes / t_ours / copy_bw,
                        rel_err_vs_bf16=err, config=cfg.to_json(),
-                       kernel="cuda" if cfg.cuda else ("cuBLAS" if cfg.dequant_mm else "triton"))
-            if cfg.cuda:      # the Triton kernel this replaces, in the same run
-                tcfg = select_config("dense", m, n, k)
-                row.update(triton_us=graph_time([lambda p=p: w4_linear(x, p, config=tcfg) for p in packs]) * 1e6)
-                if cuda_sweep:
-                    row.update(cuda_variants=_cuda_sweep(x, packs, m, n, k, graph_time))
+                       kernel="cuBLAS" if cfg.dequant_mm else "triton")
             if marlin is not None:
                 try:
                     t_m = graph_time([lambda: marlin(x)])
@@ -421,9 +398,7 @@ def bench_dense(copy_bw: float, with_marlin: bool, ms=DENSE_M, shapes=DENSE_SHAP
                 row.update(marlin_skipped=why)
             rows.append(row)
             print(f"dense N={n:6d} K={k:6d} M={m:5d}: ours {t_ours * 1e6:9.1f} us  cuBLAS {t_base * 1e6:9.1f} us  "
-                  f"x{t_base / t_ours:5.2f}  {row['frac_copy_bw']:.2f} of copy BW  err {err:.1e}"
-                  + (f"  triton {row['triton_us']:.1f} us" if "triton_us" in row else "")
-                  + (f"  {row['cuda_variants']}" if "cuda_variants" in row else ""), flush=True)
+                  f"x{t_base / t_ours:5.2f}  {row['frac_copy_bw']:.2f} of copy BW  err {err:.1e}", flush=True)
         del packs, w16s, w16
         torch.cuda.empty_cache()
     return rows
@@ -532,7 +507,7 @@ def markdown(meta, dense, grouped, masked) -> str:
         s += "## Dense (vs torch.mm bf16, cuBLAS)\n\n" + _md_table(dense, [
             ("N", "N"), ("K", "K"), ("M", "M"), ("ours us", "ours_us"), ("cuBLAS us", "cublas_us"),
             ("speedup", "speedup"), ("weight TB/s", "weight_TBps"), ("of copy BW", "frac_copy_bw"),
-            ("kernel", "kernel"), ("Triton us", "triton_us"), ("Marlin us", "marlin_us"),
+            ("kernel", "kernel"), ("Marlin us", "marlin_us"),
             ("vs Marlin", "speedup_vs_marlin")]) + "\n"
     if grouped:
         s += "## Grouped by expert offsets (vs torch._grouped_mm bf16, same routing)\n\n" + _md_table(grouped, [
@@ -599,8 +574,6 @@ def main(argv=None) -> int:
     ap.add_argument("--no-marlin", action="store_true")
     ap.add_argument("--dense-m", default=None, help="comma-separated dense M values (default: the issue's)")
     ap.add_argument("--tokens", default=None, help="comma-separated grouped token counts (default: the issue's)")
-    ap.add_argument("--cuda-sweep", action="store_true",
-                    help="dense rows served by the CUDA decode kernel: also time each of its variants")
     ap.add_argument("--no-precompile", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs on the CPU interpreter too): checks the script")
     args = ap.parse_args(argv)
@@ -619,8 +592,7 @@ def main(argv=None) -> int:
     meta = dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,
                 triton=triton.__version__, copy_TBps=copy_bw / 1e12, command="python " + " ".join(sys.argv),
                 date=time.strftime("%Y-%m-%d %H:%M:%S"))
-    dense = bench_dense(copy_bw, not args.no_marlin and not args.smoke, plan["dense_m"], plan["dense_shapes"],
-                        args.cuda_sweep) \
+    dense = bench_dense(copy_bw, not args.no_marlin and not args.smoke, plan["dense_m"], plan["dense_shapes"]) \
         if plan["dense_shapes"] else []
     grouped = bench_grouped(copy_bw, plan["tokens"], plan["models"]) if plan["tokens"] else []
     masked = bench_masked(copy_bw, plan["max_m"], plan["models"]) if plan["max_m"] else []

@@ -1,5 +1,4 @@
-// The only file of csrc/ that sees torch: registers the quantization kernels and the Hopper decode
-// GEMM as torch ops
+// The only file of csrc/ that sees torch: registers the quantization kernels as torch ops
 // (namespace nvfp4_plugin) and gives the module nvfp4_plugin._C its BUILT_ARCHS attribute.
 //
 // Ops write into outputs the Python wrappers (nvfp4_plugin/_cuda_ops.py) allocate and validate;
@@ -13,12 +12,10 @@
 
 #include <array>
 #include <atomic>
-#include <cstdint>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include "gemm/w4_gemm.h"
 #include "quant/launch.h"
 
 // setup.py passes -DNVFP4_BUILT_ARCHS=sm_90a+sm_100a+... (tokens, shell- and nvcc-safe).
@@ -235,100 +232,6 @@ void per_token_group_quant_fp8(const at::Tensor& input, at::Tensor& output, at::
         "per_token_group_quant_fp8");
 }
 
-// Hopper FP4-weight GEMM for 1..16 tokens (nvfp4_plugin.gemm: the Python side validates shapes and the
-// packed layout; here the checks guard the memory the kernel touches).
-void w4_decode_gemm(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales, const at::Tensor& alpha,
-                    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& act_scale, at::Tensor& y,
-                    at::Tensor& workspace, at::Tensor& counters, int64_t n, int64_t k, int64_t atoms_per_split,
-                    int64_t warps, int64_t chunk_atoms, int64_t stages, int64_t ctas) {
-  TORCH_CHECK(x.is_cuda() && x.dim() == 2, "x: expected a 2-D CUDA tensor");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "x: expected bfloat16 or float16, got ",
-              x.scalar_type());
-  TORCH_CHECK(x.stride(1) == 1 && x.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
-              "x: expected unit stride along K, a row stride that is a multiple of 8 and a 16-byte aligned start, got "
-              "strides ", x.strides());
-  const int64_t m = x.size(0);
-  TORCH_CHECK(m >= 1 && m <= nvq::gemm::kMaxDecodeM, "x: expected 1..", nvq::gemm::kMaxDecodeM, " rows, got ", m);
-  TORCH_CHECK(x.size(1) == k && k % 16 == 0, "x: expected K=", k, " (a multiple of 16), got ", x.size(1));
-  expect(words, "words", x, at::kInt, false);
-  expect(scales, "scales", x, at::kShort, false);
-  expect(alpha, "alpha", x, at::kFloat);
-  TORCH_CHECK(words.dim() == 2 && words.stride(1) == 1 && scales.dim() == 2 && scales.stride(1) == 1,
-              "words/scales: expected 2-D row-major views of one expert");
-  const int64_t n_pad = words.size(0) * 2, k_pad = words.size(1) * 4;
-  TORCH_CHECK(n_pad % 16 == 0 && n_pad >= n && k_pad % 64 == 0 && k_pad >= k, "words: shape ", words.sizes(),
-              " does not hold N=", n, ", K=", k);
-  TORCH_CHECK(scales.size(0) * 2 == n_pad && scales.size(1) % 8 == 0 && scales.size(1) * 16 >= k_pad,
-              "scales: shape ", scales.sizes(), " does not match words ", words.sizes());
-  TORCH_CHECK(words.stride(0) % 4 == 0 && scales.stride(0) % 8 == 0 &&
-                  reinterpret_cast<uintptr_t>(words.data_ptr()) % 16 == 0 &&
-                  reinterpret_cast<uintptr_t>(scales.data_ptr()) % 16 == 0,
-              "words/scales: rows must start on 16 bytes");
-  expect_numel(alpha, "alpha", n_pad);
-  expect(y, "y", x, x.scalar_type(), false);
-  TORCH_CHECK(y.dim() == 2 && y.size(0) == m && y.size(1) == n && y.stride(1) == 1, "y: expected [", m, ", ", n,
-              "] with unit stride along N");
-  nvq::gemm::BiasType bt = nvq::gemm::BiasType::kNone;
-  if (bias) {
-    expect(*bias, "bias", x);
-    expect_numel(*bias, "bias", n);
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type() || bias->scalar_type() == at::kFloat,
-                "bias: expected the dtype of x or float32, got ", bias->scalar_type());
-    bt = bias->scalar_type() == at::kFloat ? nvq::gemm::BiasType::kF32 : nvq::gemm::BiasType::kAct;
-  }
-  if (act_scale) {
-    expect(*act_scale, "act_scale", x, at::kFloat);
-    expect_numel(*act_scale, "act_scale", 1);
-  }
-  TORCH_CHECK(atoms_per_split >= 2 && atoms_per_split % 2 == 0, "atoms_per_split: expected an even number >= 2, got ",
-              atoms_per_split);
-  TORCH_CHECK(warps == 4 || warps == 8 || warps == 16, "warps: expected 4, 8 or 16, got ", warps);
-  TORCH_CHECK(stages >= 1 && stages <= 8, "stages: expected 1..8, got ", stages);
-  TORCH_CHECK(chunk_atoms >= 2 && chunk_atoms % 2 == 0, "chunk_atoms: expected an even number >= 2, got ",
-              chunk_atoms);
-  TORCH_CHECK(nvq::gemm::w4_decode_smem_bytes(int(m), int(atoms_per_split), int(chunk_atoms), int(warps),
-                                              int(stages)) <= nvq::gemm::kMaxDecodeSmem,
-              "stages: ", stages, " chunks of ", chunk_atoms, " atoms and ", m, " activation rows of ",
-              atoms_per_split, " atoms exceed the shared memory of one CTA");
-  TORCH_CHECK(ctas >= 0, "ctas: expected >= 0 (0: one resident wave), got ", ctas);
-  const int64_t split = (k_pad / 64 + atoms_per_split - 1) / atoms_per_split;
-  if (split > 1) {
-    expect(workspace, "workspace", x, at::kFloat);
-    TORCH_CHECK(workspace.numel() >= split * m * n_pad, "workspace: expected >= ", split * m * n_pad,
-                " elements, got ", workspace.numel());
-    expect(counters, "counters", x, at::kInt);
-    TORCH_CHECK(counters.numel() >= n_pad / 16, "counters: expected >= ", n_pad / 16, " elements");
-  }
-  nvq::gemm::W4DecodeArgs a{};
-  a.act_dtype = x.scalar_type() == at::kBFloat16 ? 0 : 1;
-  a.x = x.data_ptr();
-  a.stride_xm = x.stride(0);
-  a.words = words.data_ptr<int32_t>();
-  a.stride_wn = words.stride(0);
-  a.scales = reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>());
-  a.stride_sn = scales.stride(0);
-  a.alpha = alpha.data_ptr<float>();
-  a.act_scale = act_scale ? act_scale->data_ptr<float>() : nullptr;
-  a.bias = bias ? bias->data_ptr() : nullptr;
-  a.bias_type = bt;
-  a.y = y.data_ptr();
-  a.stride_ym = y.stride(0);
-  a.workspace = split > 1 ? workspace.data_ptr<float>() : nullptr;
-  a.counters = split > 1 ? counters.data_ptr<int32_t>() : nullptr;
-  a.m = int(m);
-  a.n = int(n);
-  a.k = int(k);
-  a.n_pad = int(n_pad);
-  a.k_pad = int(k_pad);
-  a.atoms_per_split = int(atoms_per_split);
-  a.warps = int(warps);
-  a.chunk_atoms = int(chunk_atoms);
-  a.stages = int(stages);
-  a.ctas = int(ctas);
-  const c10::cuda::CUDAGuard guard(x.device());
-  check(nvq::gemm::w4_decode_gemm(a, current_stream()), "w4_decode_gemm");
-}
-
 std::vector<std::string> built_archs() {
   std::vector<std::string> out;
   std::stringstream ss(NVQ_BUILT_ARCHS);
@@ -354,9 +257,6 @@ TORCH_LIBRARY_FRAGMENT(nvfp4_plugin, m) {
   m.def("per_token_quant_fp8(Tensor input, Tensor(a!) output, Tensor(b!) scale) -> ()");
   m.def("per_token_group_quant_fp8(Tensor input, Tensor(a!) output, Tensor(b!) scale, int group_size, float eps, "
         "bool column_major, bool ue8m0) -> ()");
-  m.def("w4_decode_gemm(Tensor x, Tensor words, Tensor scales, Tensor alpha, Tensor? bias, Tensor? act_scale, "
-        "Tensor(a!) y, Tensor(b!) workspace, Tensor(c!) counters, int n, int k, int atoms_per_split, int warps, "
-        "int chunk_atoms, int stages, int ctas) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(nvfp4_plugin, CUDA, m) {
@@ -368,7 +268,6 @@ TORCH_LIBRARY_IMPL(nvfp4_plugin, CUDA, m) {
   m.impl("scaled_fp8_quant_dynamic", &scaled_fp8_quant_dynamic);
   m.impl("per_token_quant_fp8", &per_token_quant_fp8);
   m.impl("per_token_group_quant_fp8", &per_token_group_quant_fp8);
-  m.impl("w4_decode_gemm", &w4_decode_gemm);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -376,5 +275,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   size_t i = 0;
   for (const auto& a : built_archs()) archs[i++] = pybind11::str(a);
   mod.attr("BUILT_ARCHS") = archs;
-  mod.attr("__doc__") = "nvfp4-plugin CUDA kernels: quantization and the Hopper decode GEMM (torch ops under torch.ops.nvfp4_plugin)";
+  mod.attr("__doc__") = "nvfp4-plugin CUDA quantization kernels (torch ops under torch.ops.nvfp4_plugin)";
 }

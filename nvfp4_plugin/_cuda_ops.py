@@ -67,7 +67,7 @@ def _register_fakes() -> None:
 
     for name in ("scaled_fp4_quant", "scaled_fp4_experts_quant", "silu_and_mul_scaled_fp4_experts_quant",
                  "silu_and_mul", "scaled_fp8_quant_static", "scaled_fp8_quant_dynamic", "per_token_quant_fp8",
-                 "per_token_group_quant_fp8", "w4_decode_gemm"):
+                 "per_token_group_quant_fp8"):
         qualname = f"nvfp4_plugin::{name}"
         try:
             torch.library.register_fake(qualname)(noop)

@@ -27,7 +27,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
-KERNEL_SOURCES = sorted((CSRC / "quant").glob("*.cu")) + sorted((CSRC / "gemm").glob("*.cu"))
+KERNEL_SOURCES = sorted((CSRC / "quant").glob("*.cu"))
 HOST_DRIVER_SOURCE = CSRC / "tests" / "host_numerics.cu"
 ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 # The flags a torch CUDAExtension build uses for the device code (setup.py's plus torch's own
@@ -149,25 +149,7 @@ def _kernels(sass, stem, arch, pattern):
 
 
 def test_sources_exist():
-    assert {p.name for p in KERNEL_SOURCES} >= {"nvfp4_quant.cu", "fp8_quant.cu", "w4_decode.cu"}
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_decode_gemm_streams_weights_into_mma(sass, arch):
-    """The decode GEMM (csrc/gemm/w4_decode.cu): every variant (2 dtypes x 2 token tiles x 3 warp counts)
-    streams its weights with the copy engine (cp.async.bulk: UBLKCP) against mbarriers (SYNCS), reads
-    weights and activation fragments with 16-byte shared loads (no per-thread cp.async, no ldmatrix),
-    multiplies with mma.sync (HMMA.16816) and keeps everything in registers (no spills)."""
-    kernels = _kernels(sass, "w4_decode", arch, r"w4_decode_kernel")
-    assert len(kernels) == 12
-    for name, ins in kernels.items():
-        assert any(i.startswith("UBLKCP") for i in ins), f"{name} ({arch}): no bulk copies"
-        assert any(i.startswith("SYNCS.PHASECHK") for i in ins), f"{name} ({arch}): no mbarrier wait"
-        assert not any(i.startswith(("LDGSTS", "LDSM")) for i in ins), f"{name} ({arch}): cp.async or ldmatrix"
-        assert any(i.startswith("LDS.128") for i in ins), f"{name} ({arch}): no 16-byte shared loads"
-        assert any(i.startswith("HMMA.16816.F32") for i in ins), f"{name} ({arch}): no m16n8k16 mma.sync"
-        spills = [i for i in ins if i.startswith(("LDL", "STL"))]
-        assert not spills, f"{name} ({arch}) spills to local memory: {spills[:3]}"
+    assert {p.name for p in KERNEL_SOURCES} >= {"nvfp4_quant.cu", "fp8_quant.cu"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -18,12 +18,9 @@ from .. import numerics as nx
 from .._checks import check_choice, check_shape, check_tensor
 from . import triton_w4 as tk
 from .layout import PackedW4Weight
-from .select import CUDA_MAX_M, W4Config, cuda_decode_split, select_config
+from .select import W4Config, select_config
 
 MODES = ("w4a16", "w4a4")
-#: Set to 0 to keep dense calls of <= 16 rows on the Triton kernels even where the compiled decode
-#: kernel (csrc/gemm/w4_decode.cu) runs.
-ENV_CUDA_DECODE = "NVFP4_PLUGIN_GEMM_CUDA"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,50 +117,6 @@ def _launch(kind_mode: int, x, w: PackedW4Weight, y, cfg: W4Config, m: int, grid
             HAS_ROWSCALE=int(row_scale is not None), ACT_SCALE=act_scale_mode, SS=int(cfg.ss),
             COMPACT=int(compact_experts > 0), E_P2=1 << (max(compact_experts, 1) - 1).bit_length(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
-_CUDA_REASON: dict = {}
-
-
-def _cuda_decode_reason(device: torch.device) -> str | None:
-    """None if the compiled decode GEMM runs on ``device``, else why not (cached per device)."""
-    key = (device.type, device.index)
-    if key not in _CUDA_REASON:
-        from .. import _ext
-        why = _ext.extension_runs_on(device)
-        if why is None:
-            from .. import _cuda_ops
-            if not hasattr(_cuda_ops._ops(), "w4_decode_gemm"):
-                why = "the compiled extension predates the decode GEMM (rebuild it)"
-        _CUDA_REASON[key] = why
-    return _CUDA_REASON[key]
-
-
-def use_cuda_decode(m: int, device: torch.device) -> bool:
-    """Dense calls of ``m`` rows go to the compiled decode kernel (``NVFP4_PLUGIN_GEMM_CUDA=0``: never)."""
-    return (m <= CUDA_MAX_M and not tk.INTERPRET and os.environ.get(ENV_CUDA_DECODE, "1") != "0"
-            and _cuda_decode_reason(device) is None)
-
-
-def _cuda_decode(x2: torch.Tensor, weight: PackedW4Weight, bias, act_scale, y: torch.Tensor,
-                 cfg: W4Config) -> torch.Tensor:
-    """Dense GEMM of <= 16 rows on the compiled weight-streaming kernel (same packed weight as Triton's).
-
-    The weight tensors must be row-major with 16-byte rows (``prepack`` makes them so)."""
-    from .. import _cuda_ops
-    lay = weight.layout
-    m = x2.shape[0]
-    if x2.stride(0) % 8 or x2.data_ptr() % 16:     # the kernel copies x in aligned 16-byte pieces
-        x2 = x2.clone(memory_format=torch.contiguous_format)
-    per, split, chunk, stages = cuda_decode_split(m, lay.k_pad, cfg)
-    d = _dummy(x2.device)
-    ws = torch.empty(split * m * lay.n_pad, dtype=torch.float32, device=x2.device) if split > 1 else d.float()
-    cnt = _counters(x2.device, lay.n_pad // 16) if split > 1 else d
-    if bias is not None and bias.dtype not in (x2.dtype, torch.float32):
-        bias = bias.float()
-    _cuda_ops._ops().w4_decode_gemm(x2, weight.words[0], weight.scales[0], weight.alpha[0], bias, act_scale, y, ws,
-                                    cnt, lay.n, lay.k, per, cfg.num_warps, chunk, stages, 0)
-    return y
 
 
 def _fp4_act_decode(q: torch.Tensor, s: torch.Tensor, rows: int, k: int, dtype, *, swizzled: bool,
@@ -283,14 +236,7 @@ def w4_linear(x: torch.Tensor, weight: PackedW4Weight, bias: torch.Tensor | None
         act_scale, act_mode = _act_scale_inv(input_global_scale), 1
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    cfg = config or select_config("dense", m, n, k, device=x.device, allow_cuda=use_cuda_decode(m, x.device))
-    if cfg.cuda:
-        if m > CUDA_MAX_M:
-            raise ValueError(f"config: cuda=True serves 1..{CUDA_MAX_M} rows, got {m}")
-        why = "Triton interpreter" if tk.INTERPRET else _cuda_decode_reason(x.device)
-        if why is not None:
-            raise ValueError(f"config: cuda=True, but the compiled decode GEMM cannot run on {x.device}: {why}")
-        return _cuda_decode(x2, weight, bias, act_scale, y, cfg).reshape(*lead, n)
+    cfg = config or select_config("dense", m, n, k, device=x.device)
     if cfg.dequant_mm:
         return _dequant_mm(x2, weight, bias, act_scale).reshape(*lead, n)
     n_tiles = triton_cdiv(n, cfg.bn)

@@ -46,11 +46,7 @@ class W4Config:
     (0: heuristic), group_m: M tiles per raster group (dense, L2 reuse of the weight tiles),
     v2: mma.sync instead of wgmma, ss: wgmma with both operands in shared memory (tokens as its M
     side, the decoded weight tile stored to shared memory; bm >= 64), dequant_mm: dense only,
-    dequantize the weight and call torch.mm (cuBLAS) instead (large M), cuda: dense only, <= 16 rows, the
-    compiled weight-streaming kernel (``csrc/gemm/w4_decode.cu``): ``num_warps`` (4, 8 or 16) consumer
-    warps per CTA split each chunk of ``bk`` K (x 16 rows), up to ``num_stages`` (1..8) chunks in flight
-    per CTA (as many as fit in shared memory), ``split_k`` CTAs share a tile along K (raised where the
-    activations and two chunks do not fit); the other fields do not apply to it.
+    dequantize the weight and call torch.mm (cuBLAS) instead (large M).
     """
 
     bn: int = 64
@@ -64,16 +60,8 @@ class W4Config:
     group_m: int = 8
     dequant_mm: bool = False
     ss: bool = False
-    cuda: bool = False
 
     def __post_init__(self):
-        if self.cuda:
-            if (self.num_warps not in (4, 8, 16) or not 1 <= self.num_stages <= CUDA_MAX_STAGES or self.split_k < 1
-                    or self.bk % 128 or not 128 <= self.bk <= 8192):
-                raise ValueError(f"W4Config: the cuda kernel takes num_warps 4, 8 or 16, num_stages 1..{CUDA_MAX_STAGES}, "
-                                 f"bk a multiple of 128 in 128..8192 and split_k >= 1, got num_warps={self.num_warps}, "
-                                 f"num_stages={self.num_stages}, bk={self.bk}, split_k={self.split_k}")
-            return
         if self.bn not in (32, 64, 128) and not (self.ss and self.bn == 256):
             raise ValueError(f"W4Config.bn: expected 32, 64 or 128 (256 with ss), got {self.bn}")
         if self.bk not in (64, 128, 256):
@@ -104,62 +92,6 @@ class W4Config:
         if unknown:
             raise ValueError(f"W4Config: unknown keys {sorted(unknown)}")
         return cls(**d)
-
-
-#: Dense rows up to which the CUDA decode kernel serves (csrc/gemm/w4_gemm.h kMaxDecodeM).
-CUDA_MAX_M = 16
-#: Dynamic shared memory one CTA of the CUDA decode kernel may use (w4_gemm.h kMaxDecodeSmem).
-CUDA_MAX_SMEM = 227 * 1024
-#: Weight tiles in flight per CTA of the CUDA decode kernel, at most (its bulk-copy ring).
-CUDA_MAX_STAGES = 8
-
-
-def _round_up(v: int, m: int) -> int:
-    return -(-v // m) * m
-
-
-def cuda_decode_smem(m: int, atoms_per_split: int, chunk: int, warps: int, stages: int) -> int:
-    """Shared memory of one CUDA decode CTA (csrc/gemm/w4_decode.cu ``Geometry``): its activations in
-    fragment order (``atoms_per_split`` x ``m`` x 128 bytes), the partial sums of two 16-row tiles, and
-    ``stages`` chunks (8 padded word rows and 8 padded scale rows of ``chunk`` atoms, two mbarriers)."""
-    x = atoms_per_split * m * 128
-    red = 2 * warps * (2 if m > 8 else 1) * 8 * 16 * 4
-    stage = _round_up(8 * (_round_up(chunk * 64, 128) + 64 + _round_up(chunk * 8, 128) + 16), 128)
-    return x + red + stages * (stage + 16)
-
-
-#: Shared memory the heuristic gives one CTA's activations before it splits K across CTAs.
-CUDA_X_SMEM = 32 * 1024
-
-
-def cuda_decode_split(m: int, k: int, cfg: "W4Config", x_limit: int = CUDA_MAX_SMEM) -> tuple[int, int, int, int]:
-    """(64-wide K atoms per CTA (even), K splits, atoms per chunk (even), ring stages) for ``cfg``:
-    ``cfg.split_k`` splits, raised until the CTA's activations take at most ``x_limit`` bytes and two
-    chunks of ``cfg.bk / 64`` atoms fit beside them; then as many stages as fit, up to ``cfg.num_stages``."""
-    atoms = -(-max(k, 1) // 64)
-    split = max(1, min(cfg.split_k, atoms))
-    while True:
-        per = max(2, _round_up(-(-atoms // split), 2))
-        chunk = max(2, min(_round_up(cfg.bk // 64, 2), per))
-        fits = [s for s in range(1, cfg.num_stages + 1)
-                if cuda_decode_smem(m, per, chunk, cfg.num_warps, s) <= CUDA_MAX_SMEM]
-        if (per * m * 128 <= x_limit and fits and fits[-1] >= min(2, cfg.num_stages)) or per <= 2:
-            return per, -(-atoms // per), chunk, max(fits or [1])
-        split += 1
-
-
-@functools.lru_cache(maxsize=1024)
-def cuda_decode_config(m: int, n: int, k: int, sms: int = 132) -> W4Config:
-    """CUDA decode kernel config: 8 consumer warps, chunks of 16 atoms (1024 K), 4 in flight per CTA, about
-    60 KB of shared memory so three CTAs share an SM; K split across CTAs only as far as the activations
-    need (:data:`CUDA_X_SMEM`) or the 16-row tiles are too few to give every SM a CTA."""
-    cfg = W4Config(cuda=True, num_warps=8, bk=1024, num_stages=4)
-    _, split, _, _ = cuda_decode_split(m, k, cfg, CUDA_X_SMEM)
-    tiles = -(-max(n, 1) // 16)
-    atoms = -(-k // 64)
-    while tiles * split < sms and split * 16 <= atoms:
-        split += 1
-    return replace(cfg, split_k=split)
 
 
 DENSE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -238,16 +170,13 @@ def _split_k(n_tiles: int, k: int, bk: int, sms: int, target: float = 3.0, min_i
 DEQUANT_MM_MIN_M = 512
 
 
-def heuristic(kind: str, m: int, n: int, k: int, e: int = 1, sms: int = 132, allow_cuda: bool = False) -> W4Config:
+def heuristic(kind: str, m: int, n: int, k: int, e: int = 1, sms: int = 132) -> W4Config:
     """Reasoned defaults for H100/H200-class GPUs. ``m``: dense rows, routed rows (grouped) or max_m (masked).
 
-    Few rows per weight tile (decode) is a weight-streaming problem: the compiled CUDA kernel where
-    ``allow_cuda`` (dense, <= :data:`CUDA_MAX_M` rows), else 8-token mma.sync tiles, long K steps, deep
-    pipelines, and enough programs (split-K, narrower tiles) to keep ~3 per SM pulling bytes. Many rows
-    is a tensor-core problem: 64-128-token wgmma tiles, 2 warpgroups.
+    Few rows per weight tile (decode) is a weight-streaming problem: 8-token mma.sync tiles, long K
+    steps, deep pipelines, and enough programs (split-K, narrower tiles) to keep ~3 per SM pulling
+    bytes. Many rows is a tensor-core problem: 64-128-token wgmma tiles, 2 warpgroups.
     """
-    if kind == "dense" and allow_cuda and m <= CUDA_MAX_M:
-        return cuda_decode_config(m, n, k, sms)
     if kind == "dense" and m >= DEQUANT_MM_MIN_M:
         return W4Config(dequant_mm=True)
     bk = 256 if k % 256 == 0 else (128 if k % 128 == 0 else 64)
@@ -287,34 +216,27 @@ MAX_SAFE_BM = 256
 
 
 def safe(cfg: W4Config) -> W4Config:
-    """Clamp the token tile of register-A wgmma configs to MAX_SAFE_BM (``ss``, ``dequant_mm`` and
-    ``cuda`` have no register operand to race on)."""
-    if cfg.dequant_mm or cfg.ss or cfg.cuda or cfg.bm <= MAX_SAFE_BM:
+    """Clamp the token tile of register-A wgmma configs to MAX_SAFE_BM (``ss`` and ``dequant_mm`` have
+    no register operand to race on)."""
+    if cfg.dequant_mm or cfg.ss or cfg.bm <= MAX_SAFE_BM:
         return cfg
     return replace(cfg, bm=MAX_SAFE_BM)
 
 
 @functools.lru_cache(maxsize=4096)
-def _select_cached(kind: str, m: int, n: int, k: int, e: int, dev_key: str, sms: int, allow_cuda: bool) -> W4Config:
-    if kind == "dense" and allow_cuda and m <= CUDA_MAX_M:
-        return cuda_decode_config(m, n, k, sms)
+def _select_cached(kind: str, m: int, n: int, k: int, e: int, dev_key: str, sms: int) -> W4Config:
     table = load_table(dev_key).get(kind, {})
     bucket_size = m
     cfg = _lookup(table.get(shape_key(kind, n, k, e), {}), bucket_size)
     return safe(cfg if cfg is not None else heuristic(kind, m, n, k, e, sms))
 
 
-def select_config(kind: str, m: int, n: int, k: int, e: int = 1, device: torch.device | None = None,
-                  allow_cuda: bool = False) -> W4Config:
-    """The config for a ``kind`` (dense / grouped / masked) GEMM of this static shape.
-
-    ``allow_cuda``: the compiled decode kernel runs here (``gemm.api.use_cuda_decode`` checks the
-    extension), and dense calls of <= :data:`CUDA_MAX_M` rows go to it; otherwise only Triton / cuBLAS
-    configs come back."""
+def select_config(kind: str, m: int, n: int, k: int, e: int = 1, device: torch.device | None = None) -> W4Config:
+    """The config for a ``kind`` (dense / grouped / masked) GEMM of this static shape."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     idx = device.index if device is not None and device.type == "cuda" else None
-    return _select_cached(kind, int(m), int(n), int(k), int(e), device_key(device), _num_sms(idx), bool(allow_cuda))
+    return _select_cached(kind, int(m), int(n), int(k), int(e), device_key(device), _num_sms(idx))
 
 
 def clear_cache() -> None:
