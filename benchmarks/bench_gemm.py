@@ -315,8 +315,8 @@ def _compile_key(job: Job):
         return (job.kind, job.n, job.k, job.e, job.m, job.gather)
     if cfg.dequant_mm:
         return ("dequant", job.k % 128 == 0)
-    return (job.kind, job.gather, cfg.bn, cfg.bm, cfg.bk, cfg.v2, cfg.split_k > 1, cfg.num_warps, cfg.num_stages,
-            job.k % cfg.bk == 0, job.n % 16 == 0, job.k % 16 == 0)
+    return (job.kind, job.gather, cfg.bn, cfg.bm, cfg.bk, cfg.v2, cfg.ss, cfg.gluon, cfg.split_k > 1, cfg.num_warps,
+            cfg.num_stages, job.k % cfg.bk == 0, job.n % 16 == 0, job.k % 16 == 0)
 
 
 def _dedupe(jobs: list[Job]) -> list[Job]:
@@ -387,7 +387,7 @@ def bench_dense(copy_bw: float, with_marlin: bool, ms=DENSE_M, shapes=DENSE_SHAP
             row = dict(N=n, K=k, M=m, ours_us=t_ours * 1e6, cublas_us=t_base * 1e6, speedup=t_base / t_ours,
                        weight_TBps=nbytes / t_ours / 1e12, frac_copy_bw=nbytes / t_ours / copy_bw,
                        rel_err_vs_bf16=err, config=cfg.to_json(),
-                       kernel="cuBLAS" if cfg.dequant_mm else "triton")
+                       kernel="cuBLAS" if cfg.dequant_mm else ("gluon" if cfg.gluon else "triton"))
             if marlin is not None:
                 try:
                     t_m = graph_time([lambda: marlin(x)])

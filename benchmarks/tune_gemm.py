@@ -103,7 +103,10 @@ def dense_candidates(m: int, n: int, k: int) -> list[W4Config]:
                 for bk in (64, 128):
                     for stages in (3, 4):
                         cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=warps, num_stages=stages))
-        return cands + [W4Config(dequant_mm=True)] + ss_candidates(n, (64, 128))
+        # (the shared-memory wgmma candidates lost every dense problem they were offered before the Gluon
+        # kernel came; they stay in the grouped / masked spaces)
+        return cands + [W4Config(dequant_mm=True)] + gluon_candidates(m, n, k)
+    cands += gluon_candidates(m, n, k)
     for bm in (128, 256):
         for bk in (64, 128):
             for stages in (3, 4):
@@ -111,7 +114,28 @@ def dense_candidates(m: int, n: int, k: int) -> list[W4Config]:
                     continue       # shared memory
                 cands.append(W4Config(bn=128, bm=bm, bk=bk, num_warps=8, num_stages=stages))
     cands.append(W4Config(dequant_mm=True))
-    return cands + ss_candidates(n, (128, 256))
+    return cands
+
+
+def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list[W4Config]:
+    """The Gluon kernel (dense, more than 64 rows): 1 or 2 warpgroups, 128- or 256-token tiles, K steps
+    of 64 or 128 with as many x buffers as fit, and the two split-K factors that bring the program count
+    closest to 1-2 per SM (narrow N with long K has few output tiles)."""
+    if m <= 64:
+        return []
+    cands = []
+    for bn in (64, 128):
+        for bm in (128, 256):
+            for bk in (64, 128):
+                stages = {(128, 64): 4, (256, 64): 3, (128, 128): 3, (256, 128): 2}[(bm, bk)]
+                tiles = math.ceil(m / bm) * math.ceil(n / bn)
+                steps = math.ceil(k / bk)
+                opts = [s for s in (1, 2, 4, 8) if s == 1 or (steps // s >= 4 and tiles * s <= 4 * sms)]
+                opts.sort(key=lambda s: abs(math.log(tiles * s / (1.5 * sms))))
+                for sk in sorted(opts[:2]):
+                    cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=bn // 16, num_stages=stages,
+                                          split_k=sk, gluon=True))
+    return cands
 
 
 def ss_candidates(n: int, bms, m_split=(0,)) -> list[W4Config]:
@@ -327,6 +351,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--max-m", type=int, default=None,
                     help="only problems of at most this many rows (dense M, routed rows, max_m); others keep their entries")
+    ap.add_argument("--min-m", type=int, default=None,
+                    help="only problems of at least this many rows; others keep their entries")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes, 3 candidates each, results to --out only (checks the script; CPU ok)")
     args = ap.parse_args(argv)
@@ -343,6 +369,8 @@ def main(argv=None) -> int:
     probs = problems(kinds, args.smoke)
     if args.max_m is not None:
         probs = [p for p in probs if p[1]["m"] <= args.max_m]
+    if args.min_m is not None:
+        probs = [p for p in probs if p[1]["m"] >= args.min_m]
     if args.smoke:
         probs = [(kind, spec, cands[:3]) for kind, spec, cands in probs]
     jobs = []

@@ -528,6 +528,71 @@ def test_ss_config_validation():
     assert ulp_error(w4_linear(x, prepack(w, torch.bfloat16), config=wide), dense_ref(x, w), torch.bfloat16, "ss256") <= 2
 
 
+GLUON_CFGS = [W4Config(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True),
+               W4Config(bn=64, bm=256, bk=64, num_warps=4, num_stages=3, gluon=True, split_k=3),
+               W4Config(bn=128, bm=128, bk=128, num_warps=8, num_stages=3, gluon=True),
+               W4Config(bn=128, bm=256, bk=128, num_warps=8, num_stages=2, gluon=True, split_k=2),
+               W4Config(bn=64, bm=64, bk=128, num_warps=4, num_stages=2, gluon=True, split_k=8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", GLUON_CFGS, ids=["bn64bm128", "bn64bm256split3", "bn128bm128bk128",
+                                                  "bn128bm256split2", "bn64bm64split8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gluon_dense(cfg, dtype):
+    """The explicitly pipelined Gluon kernel: odd M / N / K (K not a multiple of the K step), bias of
+    both dtypes, w4a4, split K, more than one wave; deterministic and CUDA-graph capturable."""
+    for (m, n, k) in ((1, 64, 64), (77, 200, 1040), (333, 1000, 4112), (1030, 4096, 2048)):
+        w = make_weight((), n, k, seed=m + n + k)
+        p = prepack(w, dtype)
+        x = act((m, k), dtype, seed=m)
+        y = w4_linear(x, p, config=cfg)
+        assert y.shape == (m, n) and y.dtype == dtype
+        assert ulp_error(y, dense_ref(x, w), dtype, f"gluon/{dtype}") <= 2, (m, n, k)
+        for bias in (act((n,), dtype, seed=3), act((n,), dtype, seed=4).float()):
+            assert ulp_error(w4_linear(x, p, bias, config=cfg), dense_ref(x, w, bias), dtype, f"gluon/{dtype}") <= 2
+        assert torch.equal(w4_linear(x, p, config=cfg), y)
+    gs = nx.tensor_global_scale(x.float()).reshape(1)
+    y4 = w4_linear(x, p, mode="w4a4", input_global_scale=gs, config=cfg)
+    assert ulp_error(y4, dense_ref(x, w, mode="w4a4", gs=gs), dtype, f"gluon_w4a4/{dtype}") <= 2
+    # a base or a row stride that is not 16-byte aligned (TMA) is copied first
+    xs = act((m * k + 8,), dtype, seed=9)[1:1 + m * k].reshape(m, k)
+    xw = act((m, k + 4), dtype, seed=10)[:, :k]
+    assert xs.data_ptr() % 16 and (xw.stride(0) * xw.element_size()) % 16
+    for xm in (xs, xw):
+        assert ulp_error(w4_linear(xm, p, config=cfg), dense_ref(xm, w), dtype, f"gluon/{dtype}") <= 2
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg = w4_linear(x, p, config=cfg)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg, w4_linear(x, p, config=cfg))
+
+
+def test_gluon_config_validation_and_selection():
+    with pytest.raises(ValueError, match="gluon needs bn 64 or 128 with bn/16 warps"):
+        W4Config(bn=128, bm=128, num_warps=4, gluon=True)
+    with pytest.raises(ValueError, match="gluon excludes"):
+        W4Config(bn=64, bm=128, v2=True, gluon=True)
+    with pytest.raises(ValueError, match="does not fit"):
+        W4Config(bn=64, bm=256, bk=128, num_warps=4, num_stages=4, gluon=True)
+    assert W4Config.from_json(GLUON_CFGS[1].to_json()) == GLUON_CFGS[1]
+    # the heuristic hands rows between GLUON_MIN_M and DEQUANT_MM_MIN_M to Gluon, splitting K for narrow N
+    for m, n, k in ((128, 2048, 7168), (256, 28672, 4096), (300, 4096, 14336)):
+        cfg = gsel.heuristic("dense", m, n, k)
+        assert cfg.gluon and cfg.bm >= 128, cfg
+    assert gsel.heuristic("dense", 128, 2048, 7168).split_k == 8
+    assert gsel.heuristic("dense", 256, 28672, 4096).split_k == 1
+    assert not gsel.heuristic("dense", gsel.GLUON_MIN_M, 4096, 4096).gluon
+    assert gsel.heuristic("dense", gsel.DEQUANT_MM_MIN_M, 4096, 4096).dequant_mm
+    # without a compiled GPU path (the interpreter here on CPU) w4_linear runs the Triton kernel instead
+    if not ON_GPU:
+        w = make_weight((), 130, 96, seed=1)
+        x = act((70, 96), torch.bfloat16, seed=2)
+        y = w4_linear(x, prepack(w, torch.bfloat16), config=GLUON_CFGS[0])
+        assert ulp_error(y, dense_ref(x, w), torch.bfloat16, "gluon_fallback") <= 2
+
+
 @pytest.mark.gpu
 def test_gpu_split_k_deterministic_and_graph_capturable():
     w = make_weight((), 2048, 4096, seed=1)

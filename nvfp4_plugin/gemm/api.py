@@ -10,6 +10,9 @@ Nothing here reads device memory on the host: no synchronization, CUDA-graph cap
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import logging
 import os
 
 import torch
@@ -21,6 +24,26 @@ from .layout import PackedW4Weight
 from .select import W4Config, select_config
 
 MODES = ("w4a16", "w4a4")
+logger = logging.getLogger("nvfp4_plugin")
+
+
+@functools.lru_cache(maxsize=1)
+def _gluon():
+    """The Gluon kernel module, or None where it cannot run (interpreter, a Triton without Gluon)."""
+    if tk.INTERPRET:
+        return None
+    try:
+        from . import gluon_w4
+    except ImportError as exc:      # pragma: no cover - depends on the installed Triton
+        logger.info("nvfp4_plugin: Gluon GEMM kernel unavailable (%s); using the Triton kernel", exc)
+        return None
+    return gluon_w4
+
+
+def _without_gluon(cfg: W4Config) -> W4Config:
+    """The Triton-kernel config that stands in for a gluon one where Gluon cannot run."""
+    return dataclasses.replace(cfg, gluon=False, bn=128, num_warps=8, bm=min(cfg.bm, 128), split_k=1,
+                               num_stages=max(cfg.num_stages, 3))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,6 +262,14 @@ def w4_linear(x: torch.Tensor, weight: PackedW4Weight, bias: torch.Tensor | None
     cfg = config or select_config("dense", m, n, k, device=x.device)
     if cfg.dequant_mm:
         return _dequant_mm(x2, weight, bias, act_scale).reshape(*lead, n)
+    if cfg.gluon:
+        g = _gluon()
+        if g is not None:
+            if x2.data_ptr() % 16 or (x2.stride(0) * x2.element_size()) % 16:
+                x2 = x2.clone(memory_format=torch.contiguous_format)    # TMA needs 16-byte alignment
+            g.launch_dense(x2, weight, y, cfg, _dummy(x.device), bias=bias, act_scale=act_scale)
+            return y.reshape(*lead, n)
+        cfg = _without_gluon(cfg)
     n_tiles = triton_cdiv(n, cfg.bn)
     m_tiles = triton_cdiv(m, cfg.bm)
     split = cfg.split_k

@@ -1,6 +1,7 @@
 """Compile the GEMM kernel for sm_90a without a GPU and summarize its SASS (CI and tuning aid).
 
     NVFP4_PLUGIN_GEMM_COMPILE_ONLY=1 python -m nvfp4_plugin.gemm.inspect_sass --bm 8 --v2 --bk 256
+    NVFP4_PLUGIN_GEMM_COMPILE_ONLY=1 python -m nvfp4_plugin.gemm.inspect_sass --gluon --bn 64 --bm 256 --bk 64
 
 Prints registers / shared memory / spills and the instruction mix of the main loop: the decode must
 show as LOP3/SHF/HMUL2 feeding HGMMA (wgmma) or HMMA (mma.sync) with no STS/LDS round trip of
@@ -66,6 +67,34 @@ def compile_config(cfg: W4Config, *, mode: int = 0, fp16: bool = False, even_k: 
             os.environ["DISABLE_MMA_V3"] = env
 
 
+def compile_gluon(cfg: W4Config, *, fp16: bool = False, split: bool = False, m: int = 256, k: int = 4096):
+    """The Gluon kernel (:mod:`.gluon_w4`) of a ``gluon=True`` config, compiled for sm_90a."""
+    import torch
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from . import gluon_w4
+
+    dt, gdt = (torch.float16, gl.float16) if fp16 else (torch.bfloat16, gl.bfloat16)
+    x = torch.empty(m, k, dtype=dt)
+    desc = TensorDescriptor.from_tensor(x, [cfg.bm, cfg.bk], gl.NVMMASharedLayout.get_default_for([cfg.bm, cfg.bk], gdt))
+    act = "*fp16" if fp16 else "*bf16"
+    sig = {"x_desc": mangle_type(desc), "q_ptr": "*i32", "s_ptr": "*i16", "alpha_ptr": "*fp32", "bias_ptr": act,
+           "y_ptr": act, "ws_ptr": "*fp32", "actscale_ptr": "*fp32", "M": "i32", "N": "i32", "K_pad": "i32",
+           "stride_qn": "i32", "stride_sn": "i32", "stride_ym": "i32", "SPLIT_K": "i32"}
+    const = dict(BN=cfg.bn, BM=cfg.bm, BK=cfg.bk, STAGES=cfg.num_stages, DT=int(fp16), HAS_BIAS=0, ACT_SCALE=0,
+                 IS_SPLIT=int(split), num_warps=cfg.num_warps)
+    for key in const:
+        sig[key] = "constexpr"
+    fn = gluon_w4.w4_wgmma_kernel
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or n in ("N", "K_pad", "stride_qn", "stride_sn", "stride_ym")}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+
+
 def sass_text(compiled) -> str:
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -121,31 +150,41 @@ def _written_regs(text: str) -> set[int]:
     return set(range(int(m.group(1)), int(m.group(1)) + width))
 
 
-def _wgmma_loop_body(sass: str) -> list[tuple[int, str]] | None:
-    """(address, instruction) of the innermost loop (a backward branch) that issues wgmmas, or None."""
+def _wgmma_loop_body(sass: str, with_rest: bool = False):
+    """(address, instruction) of the innermost loop (a backward branch) that issues wgmmas, or None;
+    ``with_rest``: also the instructions after it (the peeled steps and the epilogue), as a pair."""
     ins = _instructions(sass)
     loop = None
     for addr, text in ins:
         m = re.search(r"BRA (0x[0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
             lo = int(m.group(1), 16)
-            if any(t.startswith("HGMMA") for a, t in ins if lo <= a <= addr) and (loop is None or addr - lo < loop[1] - loop[0]):
+            span = [t for a, t in ins if lo <= a <= addr]
+            # an EXIT inside the span: not a loop but an out-of-line stub (an mbarrier wait retried
+            # after the kernel's end) jumping back into the body
+            if any(t.startswith("EXIT") for t in span):
+                continue
+            if any(t.startswith("HGMMA") for t in span) and (loop is None or addr - lo < loop[1] - loop[0]):
                 loop = (lo, addr)
     if loop is None:
         return None
-    return [(a, t) for a, t in ins if loop[0] <= a <= loop[1]]
+    body = [(a, t) for a, t in ins if loop[0] <= a <= loop[1]]
+    if with_rest:
+        return body, [(a, t) for a, t in ins if a > loop[1]]
+    return body
 
 
 def rs_wgmma_hazards(sass: str) -> list[str] | None:
     """Instructions of the wgmma main loop that write a register which an issued wgmma reads as its A
     operand and may still be reading: in flight are the wgmma groups (closed by ``gsb0``) that no
     ``WARPGROUP.DEPBAR.LE gsb0, N`` has retired yet, across the loop's back edge too (the body is
-    walked twice, the second walk from the state the first left). Any such write is undefined
-    behaviour (the register race of triton-lang/triton#9433). Returns None when the SASS has no loop
-    with register-A wgmmas."""
-    body = _wgmma_loop_body(sass)
-    if body is None:
+    walked twice, the second walk from the state the first left), then on into the code after the
+    loop (steps peeled off it, the epilogue). Any such write is undefined behaviour (the register race
+    of triton-lang/triton#9433). Returns None when the SASS has no loop with register-A wgmmas."""
+    found = _wgmma_loop_body(sass, with_rest=True)
+    if found is None:
         return None
+    body, rest = found
 
     def a_regs(t: str) -> set[int]:
         m = re.match(r"R(\d+)$", t.split(",")[1].strip())  # A operand: registers, or gdesc (shared memory)
@@ -156,8 +195,8 @@ def rs_wgmma_hazards(sass: str) -> list[str] | None:
     groups: list[set[int]] = []  # closed groups in flight, oldest first
     cur: set[int] = set()        # wgmmas issued since the last gsb0
     hits = []
-    for walk in (0, 1):
-        for a, t in body:
+    for walk, part in ((0, body), (1, body), (1, rest)):
+        for a, t in part:
             if t.startswith("HGMMA"):
                 cur |= a_regs(t)
                 if "gsb0" in t:
@@ -213,13 +252,18 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--v2", action="store_true")
     ap.add_argument("--ss", action="store_true", help="shared-memory wgmma (tokens as M, bm >= 64)")
+    ap.add_argument("--gluon", action="store_true", help="the Gluon kernel (dense; bn/16 warps, --split-k > 1: "
+                                                          "its split-K epilogue)")
     ap.add_argument("--mode", type=int, default=0)
     ap.add_argument("--fp16", action="store_true")
     ap.add_argument("--dump", help="write the SASS here")
     a = ap.parse_args(argv)
-    cfg = W4Config(bn=a.bn, bm=a.bm, bk=a.bk, split_k=a.split_k, num_warps=a.warps, num_stages=a.stages, v2=a.v2,
-                   ss=a.ss)
-    ck = compile_config(cfg, mode=a.mode, fp16=a.fp16)
+    cfg = W4Config(bn=a.bn, bm=a.bm, bk=a.bk, split_k=a.split_k, num_warps=a.bn // 16 if a.gluon else a.warps,
+                   num_stages=a.stages, v2=a.v2, ss=a.ss, gluon=a.gluon)
+    if a.gluon:
+        ck = compile_gluon(cfg, fp16=a.fp16, split=a.split_k > 1)
+    else:
+        ck = compile_config(cfg, mode=a.mode, fp16=a.fp16)
     s = summary(ck)
     if a.dump:
         with open(a.dump, "w") as f:

@@ -46,7 +46,9 @@ class W4Config:
     (0: heuristic), group_m: M tiles per raster group (dense, L2 reuse of the weight tiles),
     v2: mma.sync instead of wgmma, ss: wgmma with both operands in shared memory (tokens as its M
     side, the decoded weight tile stored to shared memory; bm >= 64), dequant_mm: dense only,
-    dequantize the weight and call torch.mm (cuBLAS) instead (large M).
+    dequantize the weight and call torch.mm (cuBLAS) instead (large M), gluon: dense only, the
+    explicitly pipelined kernel of :mod:`.gluon_w4` (bn 64 or 128 with bn/16 warps, bm 64-256, x by TMA
+    in ``num_stages`` buffers; compiled GPUs only, the interpreter falls back to the Triton kernel).
     """
 
     bn: int = 64
@@ -60,6 +62,7 @@ class W4Config:
     group_m: int = 8
     dequant_mm: bool = False
     ss: bool = False
+    gluon: bool = False
 
     def __post_init__(self):
         if self.bn not in (32, 64, 128) and not (self.ss and self.bn == 256):
@@ -79,6 +82,18 @@ class W4Config:
         if self.ss and (self.v2 or self.bm < 64):
             raise ValueError(f"W4Config: ss (shared-memory wgmma, tokens as M) needs v2=False and bm >= 64, got "
                              f"v2={self.v2}, bm={self.bm}")
+        if self.gluon:
+            if self.v2 or self.ss or self.dequant_mm:
+                raise ValueError("W4Config: gluon excludes v2, ss and dequant_mm")
+            if self.bn not in (64, 128) or self.num_warps != self.bn // 16:
+                raise ValueError(f"W4Config: gluon needs bn 64 or 128 with bn/16 warps, got bn={self.bn}, "
+                                 f"num_warps={self.num_warps}")
+            if self.bm < 64 or self.bk > 128 or self.num_stages < 2:
+                raise ValueError(f"W4Config: gluon needs bm >= 64, bk <= 128, num_stages >= 2, got bm={self.bm}, "
+                                 f"bk={self.bk}, num_stages={self.num_stages}")
+            if self.num_stages * self.bm * self.bk * 2 > 160 * 1024:
+                raise ValueError(f"W4Config: gluon x ring of {self.num_stages} x {self.bm} x {self.bk} does not fit "
+                                 "in shared memory (160 KB)")
         if self.split_k < 1 or self.num_stages < 1 or self.m_split < 0 or self.group_m < 1:
             raise ValueError(f"W4Config: invalid {self}")
 
@@ -170,6 +185,25 @@ def _split_k(n_tiles: int, k: int, bk: int, sms: int, target: float = 3.0, min_i
 DEQUANT_MM_MIN_M = 512
 
 
+#: Dense rows from which the explicitly pipelined Gluon kernel is the default (below DEQUANT_MM_MIN_M).
+#: Measured on the H200 (2026-11-25), 128-512 rows: faster than the Triton kernel and dequant_mm on
+#: every issue shape but one tie (benchmarks/results/gemm_h200.md, "Gluon").
+GLUON_MIN_M = 64
+
+
+def gluon_heuristic(m: int, n: int, k: int, sms: int = 132) -> W4Config:
+    """One warpgroup per 64 weight rows; split K until about two programs per SM (at least 8 K steps
+    each): the narrow shapes (N = 2048-4096 with long K) have only 16-64 output tiles."""
+    bm = 128 if m <= 128 else 256
+    cfg = W4Config(bn=64, bm=bm, bk=64, num_warps=4, num_stages=4 if bm == 128 else 3, gluon=True)
+    tiles = -(-m // bm) * -(-n // 64)
+    steps = -(-k // 64)
+    split = 1
+    while split < 8 and tiles * split * 2 <= 2 * sms and steps // (split * 2) >= 8:
+        split *= 2
+    return replace(cfg, split_k=split)
+
+
 def heuristic(kind: str, m: int, n: int, k: int, e: int = 1, sms: int = 132) -> W4Config:
     """Reasoned defaults for H100/H200-class GPUs. ``m``: dense rows, routed rows (grouped) or max_m (masked).
 
@@ -179,6 +213,8 @@ def heuristic(kind: str, m: int, n: int, k: int, e: int = 1, sms: int = 132) -> 
     """
     if kind == "dense" and m >= DEQUANT_MM_MIN_M:
         return W4Config(dequant_mm=True)
+    if kind == "dense" and m > GLUON_MIN_M:
+        return gluon_heuristic(m, n, k, sms)
     bk = 256 if k % 256 == 0 else (128 if k % 128 == 0 else 64)
     if kind == "grouped":
         active = max(1, min(e, m))
@@ -217,8 +253,9 @@ MAX_SAFE_BM = 256
 
 def safe(cfg: W4Config) -> W4Config:
     """Clamp the token tile of register-A wgmma configs to MAX_SAFE_BM (``ss`` and ``dequant_mm`` have
-    no register operand to race on)."""
-    if cfg.dequant_mm or cfg.ss or cfg.bm <= MAX_SAFE_BM:
+    no register operand to race on; ``gluon`` keeps two A register sets, checked in SASS by
+    tests/test_gemm_sass.py)."""
+    if cfg.dequant_mm or cfg.ss or cfg.gluon or cfg.bm <= MAX_SAFE_BM:
         return cfg
     return replace(cfg, bm=MAX_SAFE_BM)
 

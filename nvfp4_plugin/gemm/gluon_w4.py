@@ -1,0 +1,242 @@
+"""Gluon (Triton's explicit-layout dialect) kernel: dense FP4-weight GEMM for 128-1024 rows on Hopper.
+
+Same numerics and weight layout as :mod:`.triton_w4` (swap AB: ``acc[n, m] = W_tile @ x_tile^T``, the
+decoded weight is wgmma's register A operand), but the pipeline is written out instead of left to
+Triton's pipeliner, which on Triton 3.6 either races on the register operand or (with the
+workaround in ``triton_w4._mma_tile``) retires every K step's wgmma before the next decode:
+
+* x tiles arrive by TMA into a ring of ``STAGES`` shared-memory buffers (one mbarrier each);
+* the weight words and scale pairs are loaded two K steps ahead into registers;
+* step k's wgmma is issued asynchronously and waited for (``warpgroup_mma_wait(1)``) right after step
+  k+1's is issued, so step k+1's decode overlaps it; then the x buffer it read is refilled;
+* the K loop is unrolled by two (plus a peeled last step): consecutive steps decode into different
+  registers, so no instruction writes the A operand of the wgmma still in flight. (The ``deps`` of
+  ``warpgroup_mma_wait`` do not ensure this for register operands: ptxas does not see them.)
+  tests/test_gemm_sass.py checks the SASS for such writes.
+
+Split K (narrow N with long K has few output tiles) writes fp32 partials that
+:func:`w4_splitk_reduce_kernel` adds in split order (deterministic).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from . import triton_w4 as tk
+from .triton_w4 import _PTX_BF16, _PTX_FP16
+
+
+@gluon.jit
+def _g_halves(o, DT: gl.constexpr):
+    lo = (o & 0xFFFF).to(gl.uint16)
+    hi = (o >> 16).to(gl.uint16)
+    if DT == 0:
+        return gl.join(lo.to(gl.bfloat16, bitcast=True), hi.to(gl.bfloat16, bitcast=True))
+    else:
+        return gl.join(lo.to(gl.float16, bitcast=True), hi.to(gl.float16, bitcast=True))
+
+
+@gluon.jit
+def _g_weight_tile(q, sp, BN: gl.constexpr, BK: gl.constexpr, DT: gl.constexpr):
+    """Words ``[BK/64, BN/2, 16]`` + scale pairs -> decoded ``[BN, BK]`` (the wgmma A fragment order)."""
+    KA: gl.constexpr = BK // 64
+    if DT == 0:
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(_PTX_BF16, "=r,=r,=r,=r,r,h", [q, sp],
+                                                   dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
+                                                   is_pure=True, pack=1)
+    else:
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(_PTX_FP16, "=r,=r,=r,=r,r,h", [q, sp],
+                                                   dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
+                                                   is_pure=True, pack=1)
+    t = gl.join(gl.join(_g_halves(o0, DT), _g_halves(o1, DT)), gl.join(_g_halves(o2, DT), _g_halves(o3, DT)))
+    t = gl.reshape(t, [KA, BN // 16, 8, 4, 4, 2, 2, 2])          # ka, w, g, c, j, e, h, kh
+    t = gl.permute(t, [1, 6, 2, 0, 4, 7, 3, 5])                  # w, h, g | ka, j, kh, c, e
+    return gl.reshape(t, [BN, BK])
+
+
+@gluon.jit
+def _g_step(kk, num_k, acc, q, sp, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, a_layout: gl.constexpr,
+            BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, DT: gl.constexpr, num_warps: gl.constexpr):
+    """One K step: load step kk+2's words, decode step kk's, issue its wgmma, retire step kk-1's wgmma,
+    refill the x buffer that step kk-1 read with step kk+STAGES-1."""
+    nk = kk + 2
+    more = nk < num_k
+    q_n = gl.load(q_tile + nk * (BK // 4), mask=more, other=0)
+    s_n = gl.load(s_tile + nk * (BK // 16), mask=more, other=0)
+    w = _g_weight_tile(q.to(gl.uint32, bitcast=True), sp.to(gl.uint16, bitcast=True), BN, BK, DT)
+    a = gl.convert_layout(w, a_layout, assert_trivial=True)
+    st = kk % STAGES
+    mbarrier.wait(bars.index(st), (kk // STAGES) & 1)
+    acc = warpgroup_mma(a, x_smem.index(st).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(1, deps=(acc, ))
+    if num_warps > 4:
+        gl.thread_barrier()      # the other warpgroup's wgmma of step kk-1 is done too
+    nl = kk + STAGES - 1
+    ls = nl % STAGES
+    ok = nl < num_k
+    mbarrier.expect(bars.index(ls), x_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(x_desc, [off_m, k0 + nl * BK], bars.index(ls), x_smem.index(ls), pred=ok)
+    return acc, q_n, s_n
+
+
+@gluon.jit
+def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, actscale_ptr, M, N, K_pad, stride_qn,
+                    stride_sn, stride_ym, SPLIT_K,
+                    BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, DT: gl.constexpr,
+                    HAS_BIAS: gl.constexpr, ACT_SCALE: gl.constexpr, IS_SPLIT: gl.constexpr, num_warps: gl.constexpr):
+    KA: gl.constexpr = BK // 64
+    R: gl.constexpr = BN // 2
+    pid = gl.program_id(0)
+    m_tiles = gl.cdiv(M, BM)
+    tiles = m_tiles * gl.cdiv(N, BN)
+    pid_k = pid // tiles
+    t = pid % tiles
+    pid_m = t % m_tiles
+    pid_n = t // m_tiles
+    off_m = pid_m * BM
+    # split K: program pid_k takes K steps [step0, step0 + num_k) of the K_pad / BK steps
+    steps = K_pad // BK
+    per = gl.cdiv(steps, SPLIT_K)
+    step0 = pid_k * per
+    num_k = gl.minimum(per, steps - step0)
+    k0 = step0 * BK
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    wl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 8, 4],
+                                        warps_per_cta=[1, num_warps, 1], order=[2, 1, 0])
+
+    ka = gl.arange(0, KA, layout=gl.SliceLayout(1, gl.SliceLayout(2, wl)))
+    ri = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, wl)))
+    bb = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
+    rows = (pid_n * R + ri).to(gl.int64)
+    q_tile = (q_ptr + step0 * (BK // 4) + rows[None, :, None] * stride_qn + (ka * 16)[:, None, None]
+              + bb[None, None, :])
+    s_tile = (s_ptr + step0 * (BK // 16) + rows[None, :, None] * stride_sn + (ka * 4)[:, None, None]
+              + (bb % 4)[None, None, :])
+
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    for i in gl.static_range(STAGES - 1):
+        ok = i < num_k
+        mbarrier.expect(bars.index(i), x_desc.block_type.nbytes, pred=ok)
+        tma.async_copy_global_to_shared(x_desc, [off_m, k0 + i * BK], bars.index(i), x_smem.index(i), pred=ok)
+
+    # Words and scale pairs are loaded two K steps ahead into registers: qa/sa serve the even steps,
+    # qb/sb the odd ones.
+    qa = gl.load(q_tile)
+    sa = gl.load(s_tile)
+    more = num_k > 1
+    qb = gl.load(q_tile + BK // 4, mask=more, other=0)
+    sb = gl.load(s_tile + BK // 16, mask=more, other=0)
+    acc = gl.zeros([BN, BM], gl.float32, mma)
+    # Two K steps per trip: each has its own A registers, so the step that decodes never writes the
+    # registers of the wgmma still in flight (the one before it); that one is retired by the wait that
+    # follows the next wgmma (warpgroup_mma_wait(1)), one step before its registers are written again.
+    for kk in range(0, num_k - 1, 2):
+        acc, qa, sa = _g_step(kk, num_k, acc, qa, sa, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, a_layout,
+                              BN, BK, STAGES, DT, num_warps)
+        acc, qb, sb = _g_step(kk + 1, num_k, acc, qb, sb, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, a_layout,
+                              BN, BK, STAGES, DT, num_warps)
+    if num_k % 2 == 1:
+        acc, qa, sa = _g_step(num_k - 1, num_k, acc, qa, sa, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, a_layout,
+                              BN, BK, STAGES, DT, num_warps)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    alpha = gl.load(alpha_ptr + pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma)))
+    out = acc * alpha[:, None]
+    if ACT_SCALE:
+        out = out * gl.load(actscale_ptr)
+    # Stores from a layout with 8 consecutive n per thread (16-byte vectors, few 64-bit addresses)
+    # instead of the wgmma fragment (2 values per thread per row pair: spills at bm=256).
+    st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4], warps_per_cta=[1, num_warps],
+                                          order=[0, 1])
+    offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, st_l))
+    offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, st_l))
+    n_ok = offs_n < N
+    mask = n_ok[:, None] & (offs_m < M)[None, :]
+    if IS_SPLIT:
+        # fp32 partial sums ws[pid_k, m, n]; w4_splitk_reduce_kernel adds them in a fixed order
+        ws = ws_ptr + (pid_k * M + offs_m[None, :]).to(gl.int64) * N + offs_n[:, None]
+        gl.store(ws, gl.convert_layout(out, st_l), mask=mask)
+    else:
+        res = gl.convert_layout(out, st_l)
+        if HAS_BIAS:
+            res = res + gl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
+        ptrs = y_ptr + offs_m[None, :].to(gl.int64) * stride_ym + offs_n[:, None]
+        gl.store(ptrs, res.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def w4_splitk_reduce_kernel(ws_ptr, bias_ptr, y_ptr, M, N, stride_ym, SPLIT_K, HAS_BIAS: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """``y[m, n] = sum_s ws[s, m, n] (+ bias[n])``, s in order (deterministic)."""
+    m = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(0, SPLIT_K):
+        acc += tl.load(ws_ptr + (s * M + m).to(tl.int64) * N + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def available() -> bool:
+    """Compiled kernels on a CUDA device (Gluon has no interpreter mode)."""
+    return not tk.INTERPRET
+
+
+def splits(k_pad: int, bk: int, split_k: int) -> int:
+    """The split count actually launched: every split gets at least one K step."""
+    steps = k_pad // bk
+    per = -(-steps // max(1, min(split_k, steps)))
+    return -(-steps // per)
+
+
+def launch_dense(x2: torch.Tensor, w, y: torch.Tensor, cfg, dummy: torch.Tensor, bias=None, act_scale=None) -> None:
+    """``y = x2 @ dequant(w)^T * alpha (* act_scale) (+ bias)`` with :func:`w4_wgmma_kernel`.
+
+    ``x2``: ``[M, K]`` contiguous rows (TMA: 16-byte aligned base and row stride); ``cfg``: a
+    :class:`~.select.W4Config` with ``gluon=True``. Split K writes fp32 partials to a workspace that
+    :func:`w4_splitk_reduce_kernel` sums in split order (deterministic). ``dummy``: a device tensor for
+    the pointer arguments a variant never reads."""
+    lay = w.layout
+    m = x2.shape[0]
+    bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
+    if lay.k_pad % bk:
+        bk = 64                              # k_pad is a multiple of 64
+    sk = splits(lay.k_pad, bk, cfg.split_k)
+    desc = TensorDescriptor.from_tensor(x2, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], _GL_DTYPES[x2.dtype]))
+    tiles = -(-m // bm) * -(-lay.n // bn)
+    d = dummy
+    ws = torch.empty((sk, m, lay.n), dtype=torch.float32, device=x2.device) if sk > 1 else d
+    b = bias if bias is not None else d
+    w4_wgmma_kernel[(tiles * sk,)](
+        desc, w.words, w.scales, w.alpha, b, y, ws, act_scale if act_scale is not None else d,
+        m, lay.n, lay.k_pad, w.words.stride(1), w.scales.stride(1), y.stride(0), sk,
+        BN=bn, BM=bm, BK=bk, STAGES=cfg.num_stages, DT=0 if x2.dtype == torch.bfloat16 else 1,
+        HAS_BIAS=int(bias is not None), ACT_SCALE=int(act_scale is not None), IS_SPLIT=int(sk > 1),
+        num_warps=bn // 16)
+    if sk > 1:
+        block = 1024
+        w4_splitk_reduce_kernel[(-(-lay.n // block), m)](ws, b, y, m, lay.n, y.stride(0), sk,
+                                                         HAS_BIAS=int(bias is not None), BLOCK=block)
