@@ -171,7 +171,18 @@ def grouped_candidates(rows: int, e: int, n: int, k: int) -> list[W4Config]:
                     for ms in (1, 2, 4):
                         cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=warps, num_stages=stages, m_split=ms))
     if per > 96:
-        cands += ss_candidates(n, (64, 128), m_split=(1, 2))
+        cands += ss_candidates(n, (64, 128), m_split=(1, 2)) + grouped_gluon_candidates((128,))
+    return cands
+
+
+def grouped_gluon_candidates(bms) -> list[W4Config]:
+    """The Gluon kernel over experts (sorted rows, masked): M splits from the heuristic (m_split=0)."""
+    cands = []
+    for bn in (64, 128):
+        for bm in bms:
+            for bk in (64, 128):
+                stages = {(128, 64): 4, (256, 64): 3, (128, 128): 3, (256, 128): 2}[(bm, bk)]
+                cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=bn // 16, num_stages=stages, gluon=True))
     return cands
 
 
@@ -186,7 +197,7 @@ def masked_candidates(max_m: int, e: int, n: int, k: int) -> list[W4Config]:
                     for ms in ((1,) if max_m <= 64 else (1, 2)):
                         cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=warps, num_stages=stages, m_split=ms))
     if max_m > 64:
-        cands += ss_candidates(n, (64, 128), m_split=(1, 2))
+        cands += ss_candidates(n, (64, 128), m_split=(1, 2)) + grouped_gluon_candidates((128, 256))
     return cands
 
 

@@ -569,6 +569,61 @@ def test_gpu_gluon_dense(cfg, dtype):
     assert torch.equal(yg, w4_linear(x, p, config=cfg))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [GLUON_CFGS[0], GLUON_CFGS[2], W4Config(bn=64, bm=128, bk=128, num_warps=4,
+                                                                         num_stages=3, gluon=True, m_split=2)],
+                         ids=["bn64bm128", "bn128bm128bk128", "msplit2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gluon_grouped_and_masked(cfg, dtype):
+    """The Gluon kernel over experts: sorted rows with an empty expert and tiles that run past an
+    expert's end, scatter with top-k weights, w4a4, rows past expert_offsets[E]; masked with mask 0,
+    partial, full and above max_m (rows past the mask untouched); a gather index falls back to the
+    Triton kernel. All within 2 ulps, deterministic, graph-capturable."""
+    num_e, n, k, tokens, top_k = 6, 200, 1040, 300, 2
+    w = make_weight((num_e,), n, k, seed=71)
+    p = prepack(w, dtype)
+    pair, offsets, token, topk_w = routing(tokens, num_e, top_k, seed=72)
+    rows = tokens * top_k
+    x = act((rows, k), dtype, seed=73)
+    y = w4_grouped(x, p, offsets, config=cfg)
+    assert ulp_error(y.cpu(), grouped_ref(x, w, offsets), dtype, f"gluon_grouped/{dtype}") <= 2
+    assert torch.equal(w4_grouped(x, p, offsets, config=cfg), y)
+    ys = w4_grouped(x, p, offsets, scatter_idx=pair, row_scale=topk_w, num_out_rows=rows, config=cfg)
+    y_ref = grouped_ref(x, w, offsets, scatter=pair, row_scale=topk_w, n_out=rows)
+    assert ulp_error(ys.cpu(), y_ref, dtype, f"gluon_grouped_scatter/{dtype}") <= 2
+    xt = act((tokens, k), dtype, seed=74)
+    yg = w4_grouped(xt, p, offsets, gather_idx=token, scatter_idx=pair, row_scale=topk_w, num_out_rows=rows, config=cfg)
+    yg_ref = grouped_ref(xt, w, offsets, gather=token, scatter=pair, row_scale=topk_w, n_out=rows)
+    assert ulp_error(yg.cpu(), yg_ref, dtype, f"gluon_grouped_gather/{dtype}") <= 2
+    gs = torch.tensor([3.0, 50.0, 400.0, 7.0, 90.0, 1.0], device=DEV)
+    y4 = w4_grouped(x, p, offsets, mode="w4a4", input_global_scale=gs, config=cfg)
+    assert ulp_error(y4.cpu(), grouped_ref(x, w, offsets, mode="w4a4", gs=gs), dtype, f"gluon_grouped_w4a4/{dtype}") <= 2
+    short = offsets.clone()
+    short[-2:] = short[-3]               # the last two experts lose their rows: rows past offsets[E] ignored
+    out = torch.full((rows, n), 7.0, dtype=dtype, device=DEV)
+    w4_grouped(x, p, short, out=out, config=cfg)
+    assert (out[int(short[-1]):] == 7).all()
+    assert ulp_error(out[:int(short[-1])].cpu(), grouped_ref(x, w, short)[:int(short[-1])], dtype, "gluon_grouped") <= 2
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yc = w4_grouped(x, p, offsets, config=cfg)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yc, y)
+    # masked: [E, max_m, K]
+    max_m = 300
+    xm = act((num_e, max_m, k), dtype, seed=75)
+    mask = torch.tensor([0, 1, 129, 300, 1000, 256], dtype=torch.int32, device=DEV)
+    outm = torch.full((num_e, max_m, n), 5.0, dtype=dtype, device=DEV)
+    w4_masked(xm, p, mask, out=outm, config=cfg)
+    wd = w.dequantize(torch.float64).cpu()
+    for e, valid in enumerate(min(v, max_m) for v in mask.tolist()):
+        assert (outm[e, valid:] == 5).all()
+        if valid:
+            assert ulp_error(outm[e, :valid].cpu(), xm[e, :valid].cpu().double() @ wd[e].t(), dtype,
+                             f"gluon_masked/{dtype}") <= 2
+
+
 def test_gluon_config_validation_and_selection():
     with pytest.raises(ValueError, match="gluon needs bn 64 or 128 with bn/16 warps"):
         W4Config(bn=128, bm=128, num_warps=4, gluon=True)
@@ -584,6 +639,10 @@ def test_gluon_config_validation_and_selection():
     assert gsel.heuristic("dense", 128, 2048, 7168).split_k == 8
     assert gsel.heuristic("dense", 256, 28672, 4096).split_k == 1
     assert not gsel.heuristic("dense", gsel.GLUON_MIN_M, 4096, 4096).gluon
+    # grouped / masked: from GLUON_MIN_EXPERT_ROWS rows per active expert
+    assert gsel.heuristic("grouped", 32768, 1536, 2048, 128).gluon
+    assert not gsel.heuristic("grouped", 8192, 1536, 2048, 128).gluon
+    assert gsel.heuristic("masked", 256, 4096, 7168, 256).gluon and not gsel.heuristic("masked", 64, 4096, 7168, 256).gluon
     assert gsel.heuristic("dense", gsel.DEQUANT_MM_MIN_M, 4096, 4096).dequant_mm
     # without a compiled GPU path (the interpreter here on CPU) w4_linear runs the Triton kernel instead
     if not ON_GPU:
@@ -591,6 +650,11 @@ def test_gluon_config_validation_and_selection():
         x = act((70, 96), torch.bfloat16, seed=2)
         y = w4_linear(x, prepack(w, torch.bfloat16), config=GLUON_CFGS[0])
         assert ulp_error(y, dense_ref(x, w), torch.bfloat16, "gluon_fallback") <= 2
+        we = make_weight((3,), 72, 96, seed=3)
+        offsets = torch.tensor([0, 5, 5, 9], dtype=torch.int32)
+        xg = act((9, 96), torch.bfloat16, seed=4)
+        yg = w4_grouped(xg, prepack(we, torch.bfloat16), offsets, config=GLUON_CFGS[0])
+        assert ulp_error(yg, grouped_ref(xg, we, offsets), torch.bfloat16, "gluon_fallback") <= 2
 
 
 @pytest.mark.gpu

@@ -149,23 +149,27 @@ import collections, json, sys
 from nvfp4_plugin.gemm import W4Config
 from nvfp4_plugin.gemm import inspect_sass as I
 cfg = W4Config(**json.loads(sys.argv[1]))
-ck = I.compile_gluon(cfg, fp16=sys.argv[2] == "1", split=cfg.split_k > 1)
+ck = I.compile_gluon(cfg, fp16=sys.argv[2] == "1", split=cfg.split_k > 1, mode=int(sys.argv[3]))
 s = I.summary(ck)
 body = I._wgmma_loop_body(I.sass_text(ck))   # the innermost loop that issues wgmmas
 ops = collections.Counter(t.split()[0].split(".")[0] for _, t in body)
 print(json.dumps(dict(local=s["local"], hgmma=s["hgmma"], loop_ops=ops, hazards=s["rs_wgmma_hazards"])))
 """
 
-GLUON_CASES = [dict(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True),
-               dict(bn=64, bm=256, bk=64, num_warps=4, num_stages=3, gluon=True),
-               dict(bn=128, bm=256, bk=128, num_warps=8, num_stages=2, gluon=True, split_k=2)]
+GLUON_CASES = [(dict(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True), 0),
+               (dict(bn=64, bm=256, bk=64, num_warps=4, num_stages=3, gluon=True), 0),
+               (dict(bn=128, bm=256, bk=128, num_warps=8, num_stages=2, gluon=True, split_k=2), 0),
+               (dict(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True), 1),
+               (dict(bn=64, bm=128, bk=128, num_warps=4, num_stages=3, gluon=True), 2)]
 
 
-@pytest.mark.parametrize("cfg", GLUON_CASES, ids=["bn64bm128", "bn64bm256", "bn128bm256bk128split"])
+@pytest.mark.parametrize("cfg,mode", GLUON_CASES, ids=["bn64bm128", "bn64bm256", "bn128bm256bk128split",
+                                                       "grouped_bn64bm128", "masked_bn64bm128bk128"])
 @pytest.mark.parametrize("fp16", [False, True], ids=["bf16", "fp16"])
-def test_sm90_sass_gluon(cfg, fp16):
-    """The Gluon kernel: register-A wgmmas (two A register sets, one per unrolled K step) that no
-    instruction overwrites while they may still read them, in the loop or the peeled last step; the
+def test_sm90_sass_gluon(cfg, mode, fp16):
+    """The Gluon kernel (dense, grouped with scatter and row scale, masked): register-A wgmmas (two A
+    register sets, one per unrolled K step) that no instruction overwrites while they may still read
+    them, in the loop or the peeled last step; the
     decode and scale multiply in registers (no shared-memory store in the loop); no local memory."""
     if not _triton_has_ptxas():
         if "triton" in required_here():
@@ -175,7 +179,8 @@ def test_sm90_sass_gluon(cfg, fp16):
     env["NVFP4_PLUGIN_GEMM_COMPILE_ONLY"] = "1"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", GLUON_SCRIPT, json.dumps(cfg), str(int(fp16))], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", GLUON_SCRIPT, json.dumps(cfg), str(int(fp16)), str(mode)],
+                         capture_output=True,
                          text=True, env=env, cwd=root, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])

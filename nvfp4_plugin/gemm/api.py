@@ -40,6 +40,11 @@ def _gluon():
     return gluon_w4
 
 
+def _tma_ok(x2: torch.Tensor) -> bool:
+    """A 2-D activation TMA can read: 16-byte aligned base and row stride, unit column stride."""
+    return x2.stride(1) == 1 and x2.data_ptr() % 16 == 0 and (x2.stride(0) * x2.element_size()) % 16 == 0
+
+
 def _without_gluon(cfg: W4Config) -> W4Config:
     """The Triton-kernel config that stands in for a gluon one where Gluon cannot run."""
     return dataclasses.replace(cfg, gluon=False, bn=128, num_warps=8, bm=min(cfg.bm, 128), split_k=1,
@@ -265,7 +270,7 @@ def w4_linear(x: torch.Tensor, weight: PackedW4Weight, bias: torch.Tensor | None
     if cfg.gluon:
         g = _gluon()
         if g is not None:
-            if x2.data_ptr() % 16 or (x2.stride(0) * x2.element_size()) % 16:
+            if not _tma_ok(x2):
                 x2 = x2.clone(memory_format=torch.contiguous_format)    # TMA needs 16-byte alignment
             g.launch_dense(x2, weight, y, cfg, _dummy(x.device), bias=bias, act_scale=act_scale)
             return y.reshape(*lead, n)
@@ -374,6 +379,20 @@ def w4_grouped(x: torch.Tensor, weight: PackedW4Weight, expert_offsets: torch.Te
     # At most `rows` experts have rows: fewer rows than experts (decode) launch one slot per possible
     # active expert, each finding its expert from the offsets on the device (no host sync).
     compact = num_e if rows < num_e <= 1024 else 0
+    if cfg.gluon:
+        g = _gluon()
+        if g is not None and not compact:
+            if gather_idx is not None:
+                # TMA cannot gather rows: copy them into expert order first (at the row counts the Gluon
+                # configs are tuned for, the copy costs far less than the Triton kernel's gather loads)
+                x = x.index_select(0, gather_idx)
+            elif not _tma_ok(x):
+                x = x.clone(memory_format=torch.contiguous_format)
+            g.launch_grouped(1, x, weight, out, cfg, expert_offsets, _dummy(x.device), m=rows, m_split=ms,
+                             scatter=scatter_idx, row_scale=row_scale, act_scale=act_scale)
+            return out
+        cfg = _without_gluon(cfg)
+        ms = _m_split(cfg, rows, num_e)
     grid = (triton_cdiv(n, cfg.bn), (rows if compact else num_e) * ms)
     cfg = W4Config(**{**cfg.__dict__, "m_split": ms, "split_k": 1})
     _launch(1, x, weight, out, cfg, rows, grid, aux=expert_offsets, gather=gather_idx, scatter=scatter_idx,
@@ -428,6 +447,16 @@ def w4_masked(x: torch.Tensor, weight: PackedW4Weight, mask: torch.Tensor, *, ou
         x = x.contiguous()
     cfg = config or select_config("masked", max_m, n, k, num_e, device=x.device)
     ms = cfg.m_split or max(1, min(16, triton_cdiv(max_m, cfg.bm * 2)))
+    if cfg.gluon:
+        g = _gluon()
+        # x and out as [E * max_m, .] row-major views (TMA rows; one row stride for all experts)
+        if (g is not None and x.stride(0) == max_m * x.stride(1) and out.stride(0) == max_m * out.stride(1)
+                and _tma_ok(x.view(num_e * max_m, k))):
+            g.launch_grouped(2, x.view(num_e * max_m, k), weight, out.view(num_e * max_m, n), cfg, mask,
+                             _dummy(x.device), m=max_m, m_split=ms, act_scale=act_scale)
+            return out
+        cfg = _without_gluon(cfg)
+        ms = cfg.m_split or max(1, min(16, triton_cdiv(max_m, cfg.bm * 2)))
     cfg = W4Config(**{**cfg.__dict__, "m_split": ms, "split_k": 1})
     grid = (triton_cdiv(n, cfg.bn), num_e * ms)
     _launch(2, x, weight, out, cfg, max_m, grid, aux=mask, act_scale=act_scale, act_scale_mode=act_mode,

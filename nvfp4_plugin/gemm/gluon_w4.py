@@ -61,24 +61,26 @@ def _g_weight_tile(q, sp, BN: gl.constexpr, BK: gl.constexpr, DT: gl.constexpr):
 
 
 @gluon.jit
-def _g_step(kk, num_k, acc, q, sp, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, a_layout: gl.constexpr,
+def _g_step(kk, it0, num_k, acc, q, sp, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, a_layout: gl.constexpr,
             BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, DT: gl.constexpr, num_warps: gl.constexpr):
-    """One K step: load step kk+2's words, decode step kk's, issue its wgmma, retire step kk-1's wgmma,
-    refill the x buffer that step kk-1 read with step kk+STAGES-1."""
+    """One K step (``kk`` of this tile; ``it0 + kk`` counts the steps of the program, for the x ring's
+    buffer and phase): load step kk+2's words, decode step kk's, issue its wgmma, retire step kk-1's
+    wgmma, refill the x buffer that step kk-1 read with step kk+STAGES-1."""
     nk = kk + 2
     more = nk < num_k
     q_n = gl.load(q_tile + nk * (BK // 4), mask=more, other=0)
     s_n = gl.load(s_tile + nk * (BK // 16), mask=more, other=0)
     w = _g_weight_tile(q.to(gl.uint32, bitcast=True), sp.to(gl.uint16, bitcast=True), BN, BK, DT)
     a = gl.convert_layout(w, a_layout, assert_trivial=True)
-    st = kk % STAGES
-    mbarrier.wait(bars.index(st), (kk // STAGES) & 1)
+    g = it0 + kk
+    st = g % STAGES
+    mbarrier.wait(bars.index(st), (g // STAGES) & 1)
     acc = warpgroup_mma(a, x_smem.index(st).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(1, deps=(acc, ))
     if num_warps > 4:
         gl.thread_barrier()      # the other warpgroup's wgmma of step kk-1 is done too
     nl = kk + STAGES - 1
-    ls = nl % STAGES
+    ls = (it0 + nl) % STAGES
     ok = nl < num_k
     mbarrier.expect(bars.index(ls), x_desc.block_type.nbytes, pred=ok)
     tma.async_copy_global_to_shared(x_desc, [off_m, k0 + nl * BK], bars.index(ls), x_smem.index(ls), pred=ok)
@@ -86,51 +88,16 @@ def _g_step(kk, num_k, acc, q, sp, q_tile, s_tile, x_desc, x_smem, bars, off_m, 
 
 
 @gluon.jit
-def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, actscale_ptr, M, N, K_pad, stride_qn,
-                    stride_sn, stride_ym, SPLIT_K,
-                    BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, DT: gl.constexpr,
-                    HAS_BIAS: gl.constexpr, ACT_SCALE: gl.constexpr, IS_SPLIT: gl.constexpr, num_warps: gl.constexpr):
-    KA: gl.constexpr = BK // 64
-    R: gl.constexpr = BN // 2
-    pid = gl.program_id(0)
-    m_tiles = gl.cdiv(M, BM)
-    tiles = m_tiles * gl.cdiv(N, BN)
-    pid_k = pid // tiles
-    t = pid % tiles
-    pid_m = t % m_tiles
-    pid_n = t // m_tiles
-    off_m = pid_m * BM
-    # split K: program pid_k takes K steps [step0, step0 + num_k) of the K_pad / BK steps
-    steps = K_pad // BK
-    per = gl.cdiv(steps, SPLIT_K)
-    step0 = pid_k * per
-    num_k = gl.minimum(per, steps - step0)
-    k0 = step0 * BK
-
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BM, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    wl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 8, 4],
-                                        warps_per_cta=[1, num_warps, 1], order=[2, 1, 0])
-
-    ka = gl.arange(0, KA, layout=gl.SliceLayout(1, gl.SliceLayout(2, wl)))
-    ri = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, wl)))
-    bb = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
-    rows = (pid_n * R + ri).to(gl.int64)
-    q_tile = (q_ptr + step0 * (BK // 4) + rows[None, :, None] * stride_qn + (ka * 16)[:, None, None]
-              + bb[None, None, :])
-    s_tile = (s_ptr + step0 * (BK // 16) + rows[None, :, None] * stride_sn + (ka * 4)[:, None, None]
-              + (bb % 4)[None, None, :])
-
-    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
+def _g_tile(it0, num_k, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, mma: gl.constexpr, a_layout: gl.constexpr,
+            BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, DT: gl.constexpr,
+            num_warps: gl.constexpr):
+    """``acc[BN, BM]`` of one output tile over ``num_k`` K steps (x rows from ``off_m``, K from ``k0``).
+    Every buffer of the x ring is free on entry (the previous tile ended with all wgmmas retired)."""
     for i in gl.static_range(STAGES - 1):
         ok = i < num_k
-        mbarrier.expect(bars.index(i), x_desc.block_type.nbytes, pred=ok)
-        tma.async_copy_global_to_shared(x_desc, [off_m, k0 + i * BK], bars.index(i), x_smem.index(i), pred=ok)
-
+        st = (it0 + i) % STAGES
+        mbarrier.expect(bars.index(st), x_desc.block_type.nbytes, pred=ok)
+        tma.async_copy_global_to_shared(x_desc, [off_m, k0 + i * BK], bars.index(st), x_smem.index(st), pred=ok)
     # Words and scale pairs are loaded two K steps ahead into registers: qa/sa serve the even steps,
     # qb/sb the odd ones.
     qa = gl.load(q_tile)
@@ -143,39 +110,135 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, ac
     # registers of the wgmma still in flight (the one before it); that one is retired by the wait that
     # follows the next wgmma (warpgroup_mma_wait(1)), one step before its registers are written again.
     for kk in range(0, num_k - 1, 2):
-        acc, qa, sa = _g_step(kk, num_k, acc, qa, sa, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, a_layout,
+        acc, qa, sa = _g_step(kk, it0, num_k, acc, qa, sa, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, a_layout,
                               BN, BK, STAGES, DT, num_warps)
-        acc, qb, sb = _g_step(kk + 1, num_k, acc, qb, sb, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, a_layout,
-                              BN, BK, STAGES, DT, num_warps)
+        acc, qb, sb = _g_step(kk + 1, it0, num_k, acc, qb, sb, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0,
+                              a_layout, BN, BK, STAGES, DT, num_warps)
     if num_k % 2 == 1:
-        acc, qa, sa = _g_step(num_k - 1, num_k, acc, qa, sa, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, a_layout,
-                              BN, BK, STAGES, DT, num_warps)
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
+        acc, qa, sa = _g_step(num_k - 1, it0, num_k, acc, qa, sa, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0,
+                              a_layout, BN, BK, STAGES, DT, num_warps)
+    return warpgroup_mma_wait(0, deps=(acc, ))
 
-    alpha = gl.load(alpha_ptr + pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma)))
-    out = acc * alpha[:, None]
-    if ACT_SCALE:
-        out = out * gl.load(actscale_ptr)
+
+@gluon.jit
+def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, actscale_ptr, aux_ptr, scatter_ptr,
+                    rowscale_ptr, M, N, K_pad, stride_qe, stride_qn, stride_se, stride_sn, stride_ae, stride_ym,
+                    SPLIT_K, M_SPLIT,
+                    MODE: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                    DT: gl.constexpr, HAS_BIAS: gl.constexpr, ACT_SCALE: gl.constexpr, IS_SPLIT: gl.constexpr,
+                    HAS_SCATTER: gl.constexpr, HAS_ROWSCALE: gl.constexpr, num_warps: gl.constexpr):
+    """MODE 0: dense ``x[M, K]``, one output tile per program (program id -> split, N tile, M tile).
+    MODE 1: grouped, rows ``aux[e]:aux[e+1]`` of x use expert e; MODE 2: masked, x is ``[E * M, K]``
+    (M = max_m) and expert e's rows are ``e*M : e*M + min(aux[e], M)``. In both, program (N tile,
+    e * M_SPLIT + split) takes the expert's M tiles split, split + M_SPLIT, ...; rows past the
+    expert's end are computed from whatever x holds there and not stored. Output rows go through
+    ``scatter`` and are multiplied by ``rowscale[dst]`` when given (grouped)."""
+    KA: gl.constexpr = BK // 64
+    R: gl.constexpr = BN // 2
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    wl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 8, 4],
+                                        warps_per_cta=[1, num_warps, 1], order=[2, 1, 0])
     # Stores from a layout with 8 consecutive n per thread (16-byte vectors, few 64-bit addresses)
     # instead of the wgmma fragment (2 values per thread per row pair: spills at bm=256).
     st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4], warps_per_cta=[1, num_warps],
                                           order=[0, 1])
-    offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, st_l))
-    offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, st_l))
-    n_ok = offs_n < N
-    mask = n_ok[:, None] & (offs_m < M)[None, :]
-    if IS_SPLIT:
-        # fp32 partial sums ws[pid_k, m, n]; w4_splitk_reduce_kernel adds them in a fixed order
-        ws = ws_ptr + (pid_k * M + offs_m[None, :]).to(gl.int64) * N + offs_n[:, None]
-        gl.store(ws, gl.convert_layout(out, st_l), mask=mask)
+    steps = K_pad // BK
+    if MODE == 0:
+        pid = gl.program_id(0)
+        m_tiles = gl.cdiv(M, BM)
+        tiles = m_tiles * gl.cdiv(N, BN)
+        pid_k = pid // tiles
+        t = pid % tiles
+        pid_m = t % m_tiles
+        pid_n = t // m_tiles
+        # split K: program pid_k takes K steps [step0, step0 + num_k) of the K_pad / BK steps
+        per = gl.cdiv(steps, SPLIT_K)
+        step0 = pid_k * per
+        num_k = gl.minimum(per, steps - step0)
+        e = 0
     else:
-        res = gl.convert_layout(out, st_l)
-        if HAS_BIAS:
-            res = res + gl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
-        ptrs = y_ptr + offs_m[None, :].to(gl.int64) * stride_ym + offs_n[:, None]
-        gl.store(ptrs, res.to(y_ptr.dtype.element_ty), mask=mask)
+        pid_n = gl.program_id(0)
+        pe = gl.program_id(1)
+        e = pe // M_SPLIT
+        step0 = 0
+        num_k = steps
+
+    ka = gl.arange(0, KA, layout=gl.SliceLayout(1, gl.SliceLayout(2, wl)))
+    ri = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, wl)))
+    bb = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
+    wrows = (pid_n * R + ri).to(gl.int64)
+    e64 = gl.to_tensor(e).to(gl.int64)
+    q_tile = (q_ptr + e64 * stride_qe + step0 * (BK // 4) + wrows[None, :, None] * stride_qn
+              + (ka * 16)[:, None, None] + bb[None, None, :])
+    s_tile = (s_ptr + e64 * stride_se + step0 * (BK // 16) + wrows[None, :, None] * stride_sn
+              + (ka * 4)[:, None, None] + (bb % 4)[None, None, :])
+    alpha = gl.load(alpha_ptr + e64 * stride_ae + pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma)))
+    offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, st_l))
+    n_ok = offs_n < N
+
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+
+    if MODE == 0:
+        off_m = pid_m * BM
+        acc = _g_tile(0, num_k, q_tile, s_tile, x_desc, x_smem, bars, off_m, step0 * BK, mma, a_layout, BN, BM, BK,
+                      STAGES, DT, num_warps)
+        out = acc * alpha[:, None]
+        if ACT_SCALE == 1:
+            out = out * gl.load(actscale_ptr)
+        offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, st_l))
+        mask = n_ok[:, None] & (offs_m < M)[None, :]
+        if IS_SPLIT:
+            # fp32 partial sums ws[pid_k, m, n]; w4_splitk_reduce_kernel adds them in a fixed order
+            ws = ws_ptr + (pid_k * M + offs_m[None, :]).to(gl.int64) * N + offs_n[:, None]
+            gl.store(ws, gl.convert_layout(out, st_l), mask=mask)
+        else:
+            res = gl.convert_layout(out, st_l)
+            if HAS_BIAS:
+                res = res + gl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
+            ptrs = y_ptr + offs_m[None, :].to(gl.int64) * stride_ym + offs_n[:, None]
+            gl.store(ptrs, res.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        if MODE == 1:
+            lo = gl.load(aux_ptr + e)
+            hi = gl.load(aux_ptr + e + 1)
+        else:
+            lo = e * M
+            hi = lo + gl.minimum(gl.load(aux_ptr + e), M)
+        it = 0
+        for mt in range(pe % M_SPLIT, gl.cdiv(hi - lo, BM), M_SPLIT):
+            off_m = lo + mt * BM
+            acc = _g_tile(it, num_k, q_tile, s_tile, x_desc, x_smem, bars, off_m, 0, mma, a_layout, BN, BM, BK,
+                          STAGES, DT, num_warps)
+            it += num_k
+            out = acc * alpha[:, None]
+            if ACT_SCALE == 2:
+                out = out * gl.load(actscale_ptr + e)
+            if HAS_ROWSCALE:
+                rows_a = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+                ok_a = rows_a < hi
+                if HAS_SCATTER:
+                    dst_a = gl.load(scatter_ptr + rows_a, mask=ok_a, other=0)
+                else:
+                    dst_a = rows_a
+                out = out * gl.load(rowscale_ptr + dst_a, mask=ok_a, other=0.0)[None, :]
+            # rounded first: the x ring stays allocated across tiles, so the layout change's shared
+            # memory comes on top of it (half as much in 16-bit)
+            res = gl.convert_layout(out.to(y_ptr.dtype.element_ty), st_l)
+            rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, st_l))
+            row_ok = rows < hi
+            if HAS_SCATTER:
+                dst = gl.load(scatter_ptr + rows, mask=row_ok, other=0)
+            else:
+                dst = rows
+            ptrs = y_ptr + dst[None, :].to(gl.int64) * stride_ym + offs_n[:, None]
+            gl.store(ptrs, res, mask=n_ok[:, None] & row_ok[None, :])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
 
 
 @triton.jit
@@ -212,31 +275,55 @@ def splits(k_pad: int, bk: int, split_k: int) -> int:
     return -(-steps // per)
 
 
+def _x_desc(x2: torch.Tensor, bm: int, bk: int) -> TensorDescriptor:
+    return TensorDescriptor.from_tensor(x2, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], _GL_DTYPES[x2.dtype]))
+
+
+def _bk(lay, cfg) -> int:
+    return cfg.bk if lay.k_pad % cfg.bk == 0 else 64      # k_pad is a multiple of 64
+
+
 def launch_dense(x2: torch.Tensor, w, y: torch.Tensor, cfg, dummy: torch.Tensor, bias=None, act_scale=None) -> None:
     """``y = x2 @ dequant(w)^T * alpha (* act_scale) (+ bias)`` with :func:`w4_wgmma_kernel`.
 
-    ``x2``: ``[M, K]`` contiguous rows (TMA: 16-byte aligned base and row stride); ``cfg``: a
+    ``x2``: ``[M, K]`` rows with a 16-byte aligned base and row stride (TMA); ``cfg``: a
     :class:`~.select.W4Config` with ``gluon=True``. Split K writes fp32 partials to a workspace that
     :func:`w4_splitk_reduce_kernel` sums in split order (deterministic). ``dummy``: a device tensor for
     the pointer arguments a variant never reads."""
     lay = w.layout
     m = x2.shape[0]
-    bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
-    if lay.k_pad % bk:
-        bk = 64                              # k_pad is a multiple of 64
+    bm, bn, bk = cfg.bm, cfg.bn, _bk(lay, cfg)
     sk = splits(lay.k_pad, bk, cfg.split_k)
-    desc = TensorDescriptor.from_tensor(x2, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], _GL_DTYPES[x2.dtype]))
     tiles = -(-m // bm) * -(-lay.n // bn)
     d = dummy
     ws = torch.empty((sk, m, lay.n), dtype=torch.float32, device=x2.device) if sk > 1 else d
     b = bias if bias is not None else d
     w4_wgmma_kernel[(tiles * sk,)](
-        desc, w.words, w.scales, w.alpha, b, y, ws, act_scale if act_scale is not None else d,
-        m, lay.n, lay.k_pad, w.words.stride(1), w.scales.stride(1), y.stride(0), sk,
-        BN=bn, BM=bm, BK=bk, STAGES=cfg.num_stages, DT=0 if x2.dtype == torch.bfloat16 else 1,
+        _x_desc(x2, bm, bk), w.words, w.scales, w.alpha, b, y, ws, act_scale if act_scale is not None else d, d, d, d,
+        m, lay.n, lay.k_pad, 0, w.words.stride(1), 0, w.scales.stride(1), 0, y.stride(0), sk, 1,
+        MODE=0, BN=bn, BM=bm, BK=bk, STAGES=cfg.num_stages, DT=0 if x2.dtype == torch.bfloat16 else 1,
         HAS_BIAS=int(bias is not None), ACT_SCALE=int(act_scale is not None), IS_SPLIT=int(sk > 1),
-        num_warps=bn // 16)
+        HAS_SCATTER=0, HAS_ROWSCALE=0, num_warps=bn // 16)
     if sk > 1:
         block = 1024
         w4_splitk_reduce_kernel[(-(-lay.n // block), m)](ws, b, y, m, lay.n, y.stride(0), sk,
                                                          HAS_BIAS=int(bias is not None), BLOCK=block)
+
+
+def launch_grouped(mode: int, x2: torch.Tensor, w, y2: torch.Tensor, cfg, aux: torch.Tensor, dummy: torch.Tensor, *,
+                   m: int, m_split: int, scatter=None, row_scale=None, act_scale=None) -> None:
+    """Grouped (``mode`` 1: ``aux`` = expert offsets, x2 ``[R, K]``) or masked (2: ``aux`` = mask, x2 the
+    ``[E * m, K]`` view of ``[E, m, K]``, ``m`` = max_m) launch of :func:`w4_wgmma_kernel`: a static grid of
+    (N tiles, experts x ``m_split``), y2 row-major 2-D (``[E * m, N]`` for masked)."""
+    lay = w.layout
+    bm, bn, bk = cfg.bm, cfg.bn, _bk(lay, cfg)
+    d = dummy
+    num_e = w.words.shape[0]
+    w4_wgmma_kernel[(-(-lay.n // bn), num_e * m_split)](
+        _x_desc(x2, bm, bk), w.words, w.scales, w.alpha, d, y2, d, act_scale if act_scale is not None else d, aux,
+        scatter if scatter is not None else d, row_scale if row_scale is not None else d,
+        m, lay.n, lay.k_pad, w.words.stride(0), w.words.stride(1), w.scales.stride(0), w.scales.stride(1),
+        w.alpha.stride(0), y2.stride(0), 1, m_split,
+        MODE=mode, BN=bn, BM=bm, BK=bk, STAGES=cfg.num_stages, DT=0 if x2.dtype == torch.bfloat16 else 1,
+        HAS_BIAS=0, ACT_SCALE=2 if act_scale is not None else 0, IS_SPLIT=0, HAS_SCATTER=int(scatter is not None),
+        HAS_ROWSCALE=int(row_scale is not None), num_warps=bn // 16)

@@ -67,8 +67,10 @@ def compile_config(cfg: W4Config, *, mode: int = 0, fp16: bool = False, even_k: 
             os.environ["DISABLE_MMA_V3"] = env
 
 
-def compile_gluon(cfg: W4Config, *, fp16: bool = False, split: bool = False, m: int = 256, k: int = 4096):
-    """The Gluon kernel (:mod:`.gluon_w4`) of a ``gluon=True`` config, compiled for sm_90a."""
+def compile_gluon(cfg: W4Config, *, fp16: bool = False, split: bool = False, mode: int = 0, m: int = 256,
+                  k: int = 4096):
+    """The Gluon kernel (:mod:`.gluon_w4`) of a ``gluon=True`` config, compiled for sm_90a (``mode`` 0
+    dense, 1 grouped with scatter and row scale, 2 masked)."""
     import torch
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -82,15 +84,19 @@ def compile_gluon(cfg: W4Config, *, fp16: bool = False, split: bool = False, m: 
     desc = TensorDescriptor.from_tensor(x, [cfg.bm, cfg.bk], gl.NVMMASharedLayout.get_default_for([cfg.bm, cfg.bk], gdt))
     act = "*fp16" if fp16 else "*bf16"
     sig = {"x_desc": mangle_type(desc), "q_ptr": "*i32", "s_ptr": "*i16", "alpha_ptr": "*fp32", "bias_ptr": act,
-           "y_ptr": act, "ws_ptr": "*fp32", "actscale_ptr": "*fp32", "M": "i32", "N": "i32", "K_pad": "i32",
-           "stride_qn": "i32", "stride_sn": "i32", "stride_ym": "i32", "SPLIT_K": "i32"}
-    const = dict(BN=cfg.bn, BM=cfg.bm, BK=cfg.bk, STAGES=cfg.num_stages, DT=int(fp16), HAS_BIAS=0, ACT_SCALE=0,
-                 IS_SPLIT=int(split), num_warps=cfg.num_warps)
+           "y_ptr": act, "ws_ptr": "*fp32", "actscale_ptr": "*fp32", "aux_ptr": "*i32", "scatter_ptr": "*i32",
+           "rowscale_ptr": "*fp32", "M": "i32", "N": "i32", "K_pad": "i32", "stride_qe": "i32", "stride_qn": "i32",
+           "stride_se": "i32", "stride_sn": "i32", "stride_ae": "i32", "stride_ym": "i32", "SPLIT_K": "i32",
+           "M_SPLIT": "i32"}
+    const = dict(MODE=mode, BN=cfg.bn, BM=cfg.bm, BK=cfg.bk, STAGES=cfg.num_stages, DT=int(fp16), HAS_BIAS=0,
+                 ACT_SCALE=0, IS_SPLIT=int(split and mode == 0), HAS_SCATTER=int(mode == 1),
+                 HAS_ROWSCALE=int(mode == 1), num_warps=cfg.num_warps)
     for key in const:
         sig[key] = "constexpr"
     fn = gluon_w4.w4_wgmma_kernel
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n].startswith("*") or n in ("N", "K_pad", "stride_qn", "stride_sn", "stride_ym")}
+             if sig[n].startswith("*") or n in ("N", "K_pad", "stride_qe", "stride_qn", "stride_se", "stride_sn",
+                                                "stride_ae", "stride_ym")}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
 
@@ -261,7 +267,7 @@ def main(argv=None) -> int:
     cfg = W4Config(bn=a.bn, bm=a.bm, bk=a.bk, split_k=a.split_k, num_warps=a.bn // 16 if a.gluon else a.warps,
                    num_stages=a.stages, v2=a.v2, ss=a.ss, gluon=a.gluon)
     if a.gluon:
-        ck = compile_gluon(cfg, fp16=a.fp16, split=a.split_k > 1)
+        ck = compile_gluon(cfg, fp16=a.fp16, split=a.split_k > 1, mode=a.mode)
     else:
         ck = compile_config(cfg, mode=a.mode, fp16=a.fp16)
     s = summary(ck)
