@@ -57,6 +57,17 @@ def ulp_error(y: torch.Tensor, y_ref: torch.Tensor, dtype: torch.dtype, tag: str
     return err
 
 
+def graph_replay(fn, replays: int = 1):
+    """Capture ``fn()`` in a CUDA graph, replay it, and return the captured output tensor."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    for _ in range(replays):
+        g.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _report():
     yield
@@ -561,11 +572,7 @@ def test_gpu_gluon_dense(cfg, dtype):
     assert xs.data_ptr() % 16 and (xw.stride(0) * xw.element_size()) % 16
     for xm in (xs, xw):
         assert ulp_error(w4_linear(xm, p, config=cfg), dense_ref(xm, w), dtype, f"gluon/{dtype}") <= 2
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        yg = w4_linear(x, p, config=cfg)
-    g.replay()
-    torch.cuda.synchronize()
+    yg = graph_replay(lambda: w4_linear(x, p, config=cfg))
     assert torch.equal(yg, w4_linear(x, p, config=cfg))
 
 
@@ -604,11 +611,7 @@ def test_gpu_gluon_grouped_and_masked(cfg, dtype):
     w4_grouped(x, p, short, out=out, config=cfg)
     assert (out[int(short[-1]):] == 7).all()
     assert ulp_error(out[:int(short[-1])].cpu(), grouped_ref(x, w, short)[:int(short[-1])], dtype, "gluon_grouped") <= 2
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        yc = w4_grouped(x, p, offsets, config=cfg)
-    g.replay()
-    torch.cuda.synchronize()
+    yc = graph_replay(lambda: w4_grouped(x, p, offsets, config=cfg))
     assert torch.equal(yc, y)
     # masked: [E, max_m, K]
     max_m = 300
@@ -666,12 +669,7 @@ def test_gpu_split_k_deterministic_and_graph_capturable():
     y1 = w4_linear(x, p, config=cfg)
     y2 = w4_linear(x, p, config=cfg)
     assert torch.equal(y1, y2)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        yg = w4_linear(x, p, config=cfg)
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
+    yg = graph_replay(lambda: w4_linear(x, p, config=cfg), replays=3)
     assert torch.equal(yg, y1)
 
 
@@ -692,11 +690,7 @@ def test_gpu_grouped_moe_shapes(tokens):
     down = w4_grouped(a, p2, offsets, scatter_idx=pair, row_scale=topk_w, num_out_rows=tokens * top_k)
     y_ref2 = grouped_ref(a, w2, offsets, scatter=pair, row_scale=topk_w, n_out=tokens * top_k)
     assert ulp_error(down.cpu(), y_ref2, dtype, "gpu_grouped") <= 2
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        up_g = w4_grouped(x, p13, offsets, gather_idx=token)
-    g.replay()
-    torch.cuda.synchronize()
+    up_g = graph_replay(lambda: w4_grouped(x, p13, offsets, gather_idx=token))
     assert torch.equal(up_g, up)
 
 
@@ -767,11 +761,7 @@ def test_gpu_fused_moe_and_graph():
     y_ref = ref.nvfp4_fused_moe(x, w13.packed, w13.block_scale, w13.global_scale, w2.packed, w2.block_scale,
                                 w2.global_scale, topk_w, topk_ids)
     assert ulp_error(y, y_ref.double(), dtype, "_gpu_fused_moe") <= 4
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        yg = w4_fused_moe(x, p13, p2, topk_w, topk_ids)
-    g.replay()
-    torch.cuda.synchronize()
+    yg = graph_replay(lambda: w4_fused_moe(x, p13, p2, topk_w, topk_ids))
     assert torch.equal(yg, y)
 
 

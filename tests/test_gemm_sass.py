@@ -48,10 +48,8 @@ def _triton_has_ptxas() -> bool:
     return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
 
 
-@pytest.mark.parametrize("cfg,op,budget", CASES, ids=["v2_bm8", "v3_bm16", "v3_bm64", "v3_bm128", "v3_bm256",
-                                                          "ss_bm128", "ss_bn256"])
-@pytest.mark.parametrize("mode", [0, 1], ids=["dense", "grouped"])
-def test_sm90_sass(cfg, op, budget, mode):
+def _compile_in_subprocess(script: str, *args: str) -> dict:
+    """Run a compile-only script (sm_90a, no GPU) in a fresh interpreter; its last stdout line is JSON."""
     if not _triton_has_ptxas():
         if "triton" in required_here():
             pytest.fail("NVFP4_TEST_REQUIRE=triton but triton has no bundled ptxas", pytrace=False)
@@ -60,10 +58,17 @@ def test_sm90_sass(cfg, op, budget, mode):
     env["NVFP4_PLUGIN_GEMM_COMPILE_ONLY"] = "1"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cfg), str(mode)], capture_output=True, text=True,
-                         env=env, cwd=root, timeout=600)
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("cfg,op,budget", CASES, ids=["v2_bm8", "v3_bm16", "v3_bm64", "v3_bm128", "v3_bm256",
+                                                          "ss_bm128", "ss_bn256"])
+@pytest.mark.parametrize("mode", [0, 1], ids=["dense", "grouped"])
+def test_sm90_sass(cfg, op, budget, mode):
+    r = _compile_in_subprocess(SCRIPT, json.dumps(cfg), str(mode))
     assert r["local"] == 0, r                                   # no spills / local arrays
     assert r["hmma" if op == "HMMA" else "hgmma"] > 0, r
     assert r["loop_ops"].get("HMMA" if op == "HMMA" else "HGMMA", 0) > 0, r
@@ -169,21 +174,9 @@ GLUON_CASES = [(dict(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True
 def test_sm90_sass_gluon(cfg, mode, fp16):
     """The Gluon kernel (dense, grouped with scatter and row scale, masked): register-A wgmmas (two A
     register sets, one per unrolled K step) that no instruction overwrites while they may still read
-    them, in the loop or the peeled last step; the
-    decode and scale multiply in registers (no shared-memory store in the loop); no local memory."""
-    if not _triton_has_ptxas():
-        if "triton" in required_here():
-            pytest.fail("NVFP4_TEST_REQUIRE=triton but triton has no bundled ptxas", pytrace=False)
-        pytest.skip("needs triton with its bundled ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["NVFP4_PLUGIN_GEMM_COMPILE_ONLY"] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", GLUON_SCRIPT, json.dumps(cfg), str(int(fp16)), str(mode)],
-                         capture_output=True,
-                         text=True, env=env, cwd=root, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    them, in the loop or the peeled last step; the decode and scale multiply in registers (no
+    shared-memory store in the loop); no local memory."""
+    r = _compile_in_subprocess(GLUON_SCRIPT, json.dumps(cfg), str(int(fp16)), str(mode))
     assert r["local"] == 0, r
     assert r["hgmma"] > 0 and r["loop_ops"].get("HGMMA", 0) > 0, r
     assert r["loop_ops"].get("HMUL2", 0) > 0, r

@@ -121,6 +121,16 @@ def _g_tile(it0, num_k, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, mma: gl
 
 
 @gluon.jit
+def _g_dst(scatter_ptr, off_m, hi, layout: gl.constexpr, BM: gl.constexpr, HAS_SCATTER: gl.constexpr):
+    """Output rows of the tile's rows ``off_m + [0, BM)`` (through the scatter index) and which are valid."""
+    rows = off_m + gl.arange(0, BM, layout=layout)
+    ok = rows < hi
+    if HAS_SCATTER:
+        return gl.load(scatter_ptr + rows, mask=ok, other=0), ok
+    return rows, ok
+
+
+@gluon.jit
 def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, actscale_ptr, aux_ptr, scatter_ptr,
                     rowscale_ptr, M, N, K_pad, stride_qe, stride_qn, stride_se, stride_sn, stride_ae, stride_ym,
                     SPLIT_K, M_SPLIT,
@@ -219,22 +229,12 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, ac
             if ACT_SCALE == 2:
                 out = out * gl.load(actscale_ptr + e)
             if HAS_ROWSCALE:
-                rows_a = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
-                ok_a = rows_a < hi
-                if HAS_SCATTER:
-                    dst_a = gl.load(scatter_ptr + rows_a, mask=ok_a, other=0)
-                else:
-                    dst_a = rows_a
+                dst_a, ok_a = _g_dst(scatter_ptr, off_m, hi, gl.SliceLayout(0, mma), BM, HAS_SCATTER)
                 out = out * gl.load(rowscale_ptr + dst_a, mask=ok_a, other=0.0)[None, :]
             # rounded first: the x ring stays allocated across tiles, so the layout change's shared
             # memory comes on top of it (half as much in 16-bit)
             res = gl.convert_layout(out.to(y_ptr.dtype.element_ty), st_l)
-            rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, st_l))
-            row_ok = rows < hi
-            if HAS_SCATTER:
-                dst = gl.load(scatter_ptr + rows, mask=row_ok, other=0)
-            else:
-                dst = rows
+            dst, row_ok = _g_dst(scatter_ptr, off_m, hi, gl.SliceLayout(0, st_l), BM, HAS_SCATTER)
             ptrs = y_ptr + dst[None, :].to(gl.int64) * stride_ym + offs_n[:, None]
             gl.store(ptrs, res, mask=n_ok[:, None] & row_ok[None, :])
     for i in gl.static_range(STAGES):
