@@ -127,7 +127,7 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list[W4Config]:
     for bn in (64, 128):
         for bm in (128, 256):
             for bk in (64, 128):
-                stages = {(128, 64): 4, (256, 64): 3, (128, 128): 3, (256, 128): 2}[(bm, bk)]
+                stages = gsel.gluon_stages(bm, bk)
                 tiles = math.ceil(m / bm) * math.ceil(n / bn)
                 steps = math.ceil(k / bk)
                 opts = [s for s in (1, 2, 4, 8) if s == 1 or (steps // s >= 4 and tiles * s <= 4 * sms)]
@@ -181,7 +181,7 @@ def grouped_gluon_candidates(bms) -> list[W4Config]:
     for bn in (64, 128):
         for bm in bms:
             for bk in (64, 128):
-                stages = {(128, 64): 4, (256, 64): 3, (128, 128): 3, (256, 128): 2}[(bm, bk)]
+                stages = gsel.gluon_stages(bm, bk)
                 cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=bn // 16, num_stages=stages, gluon=True))
     return cands
 

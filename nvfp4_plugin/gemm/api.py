@@ -45,6 +45,11 @@ def _tma_ok(x2: torch.Tensor) -> bool:
     return x2.stride(1) == 1 and x2.data_ptr() % 16 == 0 and (x2.stride(0) * x2.element_size()) % 16 == 0
 
 
+def _tma_ready(x2: torch.Tensor) -> torch.Tensor:
+    """``x2``, or a contiguous copy of it (a fresh allocation: aligned) where TMA cannot read it."""
+    return x2 if _tma_ok(x2) else x2.clone(memory_format=torch.contiguous_format)
+
+
 def _without_gluon(cfg: W4Config) -> W4Config:
     """The Triton-kernel config that stands in for a gluon one where Gluon cannot run."""
     return dataclasses.replace(cfg, gluon=False, bn=128, num_warps=8, bm=min(cfg.bm, 128), split_k=1,
@@ -270,9 +275,7 @@ def w4_linear(x: torch.Tensor, weight: PackedW4Weight, bias: torch.Tensor | None
     if cfg.gluon:
         g = _gluon()
         if g is not None:
-            if not _tma_ok(x2):
-                x2 = x2.clone(memory_format=torch.contiguous_format)    # TMA needs 16-byte alignment
-            g.launch_dense(x2, weight, y, cfg, _dummy(x.device), bias=bias, act_scale=act_scale)
+            g.launch_dense(_tma_ready(x2), weight, y, cfg, _dummy(x.device), bias=bias, act_scale=act_scale)
             return y.reshape(*lead, n)
         cfg = _without_gluon(cfg)
     n_tiles = triton_cdiv(n, cfg.bn)
@@ -303,6 +306,10 @@ def _check_expert_input_scales(input_global_scale, num_e: int, device) -> None:
         raise ValueError("input_global_scale: required for mode='w4a4' (one fp32 value per expert)")
     check_tensor("input_global_scale", input_global_scale, dtypes=(torch.float32,), device=device)
     check_shape("input_global_scale", input_global_scale, (num_e,))
+
+
+def _masked_m_split(cfg: W4Config, max_m: int) -> int:
+    return cfg.m_split or max(1, min(16, triton_cdiv(max_m, cfg.bm * 2)))
 
 
 def _m_split(cfg: W4Config, rows: int, experts: int) -> int:
@@ -386,9 +393,7 @@ def w4_grouped(x: torch.Tensor, weight: PackedW4Weight, expert_offsets: torch.Te
                 # TMA cannot gather rows: copy them into expert order first (at the row counts the Gluon
                 # configs are tuned for, the copy costs far less than the Triton kernel's gather loads)
                 x = x.index_select(0, gather_idx)
-            elif not _tma_ok(x):
-                x = x.clone(memory_format=torch.contiguous_format)
-            g.launch_grouped(1, x, weight, out, cfg, expert_offsets, _dummy(x.device), m=rows, m_split=ms,
+            g.launch_grouped(1, _tma_ready(x), weight, out, cfg, expert_offsets, _dummy(x.device), m=rows, m_split=ms,
                              scatter=scatter_idx, row_scale=row_scale, act_scale=act_scale)
             return out
         cfg = _without_gluon(cfg)
@@ -446,7 +451,7 @@ def w4_masked(x: torch.Tensor, weight: PackedW4Weight, mask: torch.Tensor, *, ou
     if x.stride(-1) != 1:
         x = x.contiguous()
     cfg = config or select_config("masked", max_m, n, k, num_e, device=x.device)
-    ms = cfg.m_split or max(1, min(16, triton_cdiv(max_m, cfg.bm * 2)))
+    ms = _masked_m_split(cfg, max_m)
     if cfg.gluon:
         g = _gluon()
         # x and out as [E * max_m, .] row-major views (TMA rows; one row stride for all experts)
@@ -456,7 +461,7 @@ def w4_masked(x: torch.Tensor, weight: PackedW4Weight, mask: torch.Tensor, *, ou
                              _dummy(x.device), m=max_m, m_split=ms, act_scale=act_scale)
             return out
         cfg = _without_gluon(cfg)
-        ms = cfg.m_split or max(1, min(16, triton_cdiv(max_m, cfg.bm * 2)))
+        ms = _masked_m_split(cfg, max_m)
     cfg = W4Config(**{**cfg.__dict__, "m_split": ms, "split_k": 1})
     grid = (triton_cdiv(n, cfg.bn), num_e * ms)
     _launch(2, x, weight, out, cfg, max_m, grid, aux=mask, act_scale=act_scale, act_scale_mode=act_mode,

@@ -33,16 +33,6 @@ from .triton_w4 import _PTX_BF16, _PTX_FP16
 
 
 @gluon.jit
-def _g_halves(o, DT: gl.constexpr):
-    lo = (o & 0xFFFF).to(gl.uint16)
-    hi = (o >> 16).to(gl.uint16)
-    if DT == 0:
-        return gl.join(lo.to(gl.bfloat16, bitcast=True), hi.to(gl.bfloat16, bitcast=True))
-    else:
-        return gl.join(lo.to(gl.float16, bitcast=True), hi.to(gl.float16, bitcast=True))
-
-
-@gluon.jit
 def _g_weight_tile(q, sp, BN: gl.constexpr, BK: gl.constexpr, DT: gl.constexpr):
     """Words ``[BK/64, BN/2, 16]`` + scale pairs -> decoded ``[BN, BK]`` (the wgmma A fragment order)."""
     KA: gl.constexpr = BK // 64
@@ -54,7 +44,8 @@ def _g_weight_tile(q, sp, BN: gl.constexpr, BK: gl.constexpr, DT: gl.constexpr):
         o0, o1, o2, o3 = gl.inline_asm_elementwise(_PTX_FP16, "=r,=r,=r,=r,r,h", [q, sp],
                                                    dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
                                                    is_pure=True, pack=1)
-    t = gl.join(gl.join(_g_halves(o0, DT), _g_halves(o1, DT)), gl.join(_g_halves(o2, DT), _g_halves(o3, DT)))
+    # (the Triton kernel's helper: Gluon compiles it, with the layouts its inputs carry)
+    t = gl.join(gl.join(tk._halves(o0, DT), tk._halves(o1, DT)), gl.join(tk._halves(o2, DT), tk._halves(o3, DT)))
     t = gl.reshape(t, [KA, BN // 16, 8, 4, 4, 2, 2, 2])          # ka, w, g, c, j, e, h, kh
     t = gl.permute(t, [1, 6, 2, 0, 4, 7, 3, 5])                  # w, h, g | ka, j, kh, c, e
     return gl.reshape(t, [BN, BK])
@@ -263,11 +254,6 @@ def w4_splitk_reduce_kernel(ws_ptr, bias_ptr, y_ptr, M, N, stride_ym, SPLIT_K, H
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-def available() -> bool:
-    """Compiled kernels on a CUDA device (Gluon has no interpreter mode)."""
-    return not tk.INTERPRET
-
-
 def splits(k_pad: int, bk: int, split_k: int) -> int:
     """The split count actually launched: every split gets at least one K step."""
     steps = k_pad // bk
@@ -276,7 +262,8 @@ def splits(k_pad: int, bk: int, split_k: int) -> int:
 
 
 def _x_desc(x2: torch.Tensor, bm: int, bk: int) -> TensorDescriptor:
-    return TensorDescriptor.from_tensor(x2, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], _GL_DTYPES[x2.dtype]))
+    layout = gl.NVMMASharedLayout.get_default_for([bm, bk], _GL_DTYPES[x2.dtype])
+    return TensorDescriptor.from_tensor(x2, [bm, bk], layout)
 
 
 def _bk(lay, cfg) -> int:

@@ -72,16 +72,12 @@ def compile_gluon(cfg: W4Config, *, fp16: bool = False, split: bool = False, mod
     """The Gluon kernel (:mod:`.gluon_w4`) of a ``gluon=True`` config, compiled for sm_90a (``mode`` 0
     dense, 1 grouped with scatter and row scale, 2 masked)."""
     import torch
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
     from . import gluon_w4
 
-    dt, gdt = (torch.float16, gl.float16) if fp16 else (torch.bfloat16, gl.bfloat16)
-    x = torch.empty(m, k, dtype=dt)
-    desc = TensorDescriptor.from_tensor(x, [cfg.bm, cfg.bk], gl.NVMMASharedLayout.get_default_for([cfg.bm, cfg.bk], gdt))
+    desc = gluon_w4._x_desc(torch.empty(m, k, dtype=torch.float16 if fp16 else torch.bfloat16), cfg.bm, cfg.bk)
     act = "*fp16" if fp16 else "*bf16"
     sig = {"x_desc": mangle_type(desc), "q_ptr": "*i32", "s_ptr": "*i16", "alpha_ptr": "*fp32", "bias_ptr": act,
            "y_ptr": act, "ws_ptr": "*fp32", "actscale_ptr": "*fp32", "aux_ptr": "*i32", "scatter_ptr": "*i32",
@@ -258,8 +254,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--v2", action="store_true")
     ap.add_argument("--ss", action="store_true", help="shared-memory wgmma (tokens as M, bm >= 64)")
-    ap.add_argument("--gluon", action="store_true", help="the Gluon kernel (dense; bn/16 warps, --split-k > 1: "
-                                                          "its split-K epilogue)")
+    ap.add_argument("--gluon", action="store_true", help="the Gluon kernel (bn/16 warps; --mode 0/1/2 as for the "
+                                                          "Triton kernel; --split-k > 1: its split-K epilogue)")
     ap.add_argument("--mode", type=int, default=0)
     ap.add_argument("--fp16", action="store_true")
     ap.add_argument("--dump", help="write the SASS here")

@@ -198,11 +198,16 @@ GLUON_MIN_M = 64
 GLUON_MIN_EXPERT_ROWS = 128
 
 
+def gluon_stages(bm: int, bk: int) -> int:
+    """x buffers of a Gluon config: as many as fit beside the other operands (96-128 KB of ring)."""
+    return {(128, 64): 4, (256, 64): 3, (128, 128): 3, (256, 128): 2}[(bm, bk)]
+
+
 def gluon_heuristic(m: int, n: int, k: int, sms: int = 132) -> W4Config:
     """One warpgroup per 64 weight rows; split K until about two programs per SM (at least 8 K steps
     each): the narrow shapes (N = 2048-4096 with long K) have only 16-64 output tiles."""
     bm = 128 if m <= 128 else 256
-    cfg = W4Config(bn=64, bm=bm, bk=64, num_warps=4, num_stages=4 if bm == 128 else 3, gluon=True)
+    cfg = W4Config(bn=64, bm=bm, bk=64, num_warps=4, num_stages=gluon_stages(bm, 64), gluon=True)
     tiles = -(-m // bm) * -(-n // 64)
     steps = -(-k // 64)
     split = 1
@@ -230,7 +235,7 @@ def heuristic(kind: str, m: int, n: int, k: int, e: int = 1, sms: int = 132) -> 
         active = e if kind == "masked" else 1
         rows = m
     if kind != "dense" and rows >= GLUON_MIN_EXPERT_ROWS:
-        return W4Config(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True)
+        return W4Config(bn=64, bm=128, bk=64, num_warps=4, num_stages=gluon_stages(128, 64), gluon=True)
     if rows <= 8:
         cfg = W4Config(bn=64, bm=8, bk=bk, v2=True, num_warps=4, num_stages=4 if bk == 256 else 5)
     elif rows <= 16:
