@@ -12,8 +12,9 @@ of a missed target: DRAM near peak means the kernel is bandwidth-bound (more byt
 necessary, or a low ceiling); low DRAM with high issue means it is instruction-bound; low both
 with long-scoreboard stalls means too few bytes are in flight (latency-bound).
 
-Cases are ``gemm:N:K:M`` (dense FP4-weight GEMM, selected config, or ``gemm:N:K:M:ss`` for the
-tuner's best shared-memory wgmma candidate), ``triton:OP:M:K`` (Triton quantization kernels:
+Cases are ``gemm:N:K:M`` (dense FP4-weight GEMM, selected config, ``gemm:N:K:M:ss`` for the
+tuner's best shared-memory wgmma candidate, or ``gemm:N:K:M:gluon=1,bm=128,...`` for a given
+:class:`W4Config`), ``triton:OP:M:K`` (Triton quantization kernels:
 ``fp4``, ``mxfp4``, ``mxfp4fwd``) and ``quant:OP:M:K`` (compiled quantizers: ``dense`` on M rows,
 ``experts`` on M tokens x top-8 rows over 256 experts, ``masked`` SiLU-mul over 32 experts of M x 8 / 32
 rows, ``fp8group`` / ``fp8token`` per-token-group / per-token FP8, all as ``bench_quant.py``) and ``sgl:fp8group:M:K`` (sgl-kernel's
@@ -32,7 +33,7 @@ import sys
 DEFAULT_CASES = ["gemm:28672:4096:1", "gemm:28672:4096:16", "gemm:28672:4096:256", "gemm:28672:4096:4096",
                  "gemm:2048:7168:1", "gemm:28672:4096:256:ss", "gemm:28672:4096:4096:ss",
                  "triton:fp4:8192:7168", "triton:mxfp4:8192:7168", "triton:mxfp4fwd:8192:7168"]
-KERNEL = {"gemm": "regex:w4_gemm", "triton": "regex:_nvfp4_kernel|_mx_kernel",
+KERNEL = {"gemm": "regex:w4_gemm|w4_wgmma", "triton": "regex:_nvfp4_kernel|_mx_kernel",
           "quant": "regex:nvfp4_(experts|dense|masked)|fp8_(group|token)", "sgl": "regex:per_token_group"}
 WARMUP = 3
 SECTIONS = ["SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "SchedulerStats", "WarpStateStats"]
@@ -63,6 +64,8 @@ def drive(case: str) -> None:
         if rest[3:] == ["ss"]:
             cfg = W4Config(bn=256 if n % 256 == 0 else 128, bm=128 if m <= 1024 else 256, bk=64, num_warps=8,
                            num_stages=3, ss=True)
+        elif rest[3:]:  # gemm:N:K:M:field=value,... (W4Config fields; bools as 0/1)
+            cfg = W4Config(**{f: int(v) for f, v in (kv.split("=") for kv in rest[3].split(","))})
         for _ in range(WARMUP + 1):
             w4_linear(x, p, config=cfg)
     elif kind == "triton":

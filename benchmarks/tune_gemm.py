@@ -118,14 +118,15 @@ def dense_candidates(m: int, n: int, k: int) -> list[W4Config]:
 
 
 def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list[W4Config]:
-    """The Gluon kernel (dense, more than 64 rows): 1 or 2 warpgroups, 128- or 256-token tiles, K steps
-    of 64 or 128 with as many x buffers as fit, and the two split-K factors that bring the program count
+    """The Gluon kernel (dense, more than 64 rows): 1 or 2 warpgroups, 128- or 256-token tiles (also 64 up
+    to 256 rows: more tiles for the waves), K steps
+    of 64 or 128 with as many x buffers as fit, weights loaded 2 or 4 K steps ahead, and the two split-K factors that bring the program count
     closest to 1-2 per SM (narrow N with long K has few output tiles)."""
     if m <= 64:
         return []
     cands = []
     for bn in (64, 128):
-        for bm in (128, 256):
+        for bm in (64, 128, 256) if m <= 256 else (128, 256):
             for bk in (64, 128):
                 stages = gsel.gluon_stages(bm, bk)
                 tiles = math.ceil(m / bm) * math.ceil(n / bn)
@@ -133,8 +134,9 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list[W4Config]:
                 opts = [s for s in (1, 2, 4, 8) if s == 1 or (steps // s >= 4 and tiles * s <= 4 * sms)]
                 opts.sort(key=lambda s: abs(math.log(tiles * s / (1.5 * sms))))
                 for sk in sorted(opts[:2]):
-                    cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=bn // 16, num_stages=stages,
-                                          split_k=sk, gluon=True))
+                    for pf in (2, 4):
+                        cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=bn // 16, num_stages=stages,
+                                              split_k=sk, gluon=True, prefetch=pf))
     return cands
 
 
@@ -176,13 +178,16 @@ def grouped_candidates(rows: int, e: int, n: int, k: int) -> list[W4Config]:
 
 
 def grouped_gluon_candidates(bms) -> list[W4Config]:
-    """The Gluon kernel over experts (sorted rows, masked): M splits from the heuristic (m_split=0)."""
+    """The Gluon kernel over experts (sorted rows, masked): M splits from the heuristic (m_split=0),
+    weights loaded 2 or 4 K steps ahead."""
     cands = []
     for bn in (64, 128):
         for bm in bms:
             for bk in (64, 128):
                 stages = gsel.gluon_stages(bm, bk)
-                cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=bn // 16, num_stages=stages, gluon=True))
+                for pf in (2, 4):
+                    cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=bn // 16, num_stages=stages, gluon=True,
+                                          prefetch=pf))
     return cands
 
 

@@ -543,12 +543,17 @@ GLUON_CFGS = [W4Config(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=Tr
                W4Config(bn=64, bm=256, bk=64, num_warps=4, num_stages=3, gluon=True, split_k=3),
                W4Config(bn=128, bm=128, bk=128, num_warps=8, num_stages=3, gluon=True),
                W4Config(bn=128, bm=256, bk=128, num_warps=8, num_stages=2, gluon=True, split_k=2),
-               W4Config(bn=64, bm=64, bk=128, num_warps=4, num_stages=2, gluon=True, split_k=8)]
+               W4Config(bn=64, bm=64, bk=128, num_warps=4, num_stages=2, gluon=True, split_k=8),
+               # weights 4 K steps ahead: K steps per split 1, 17, 65 and 32 (11 / 11 / 10 with split 3)
+               # leave 0-3 steps after the unrolled loop
+               W4Config(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True, prefetch=4),
+               W4Config(bn=128, bm=256, bk=64, num_warps=8, num_stages=2, gluon=True, split_k=3, prefetch=4)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", GLUON_CFGS, ids=["bn64bm128", "bn64bm256split3", "bn128bm128bk128",
-                                                  "bn128bm256split2", "bn64bm64split8"])
+                                                  "bn128bm256split2", "bn64bm64split8", "bn64bm128pf4",
+                                                  "bn128bm256split3pf4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_gluon_dense(cfg, dtype):
     """The explicitly pipelined Gluon kernel: odd M / N / K (K not a multiple of the K step), bias of
@@ -578,8 +583,9 @@ def test_gpu_gluon_dense(cfg, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [GLUON_CFGS[0], GLUON_CFGS[2], W4Config(bn=64, bm=128, bk=128, num_warps=4,
-                                                                         num_stages=3, gluon=True, m_split=2)],
-                         ids=["bn64bm128", "bn128bm128bk128", "msplit2"])
+                                                                         num_stages=3, gluon=True, m_split=2),
+                                 GLUON_CFGS[5]],
+                         ids=["bn64bm128", "bn128bm128bk128", "msplit2", "bn64bm128pf4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_gluon_grouped_and_masked(cfg, dtype):
     """The Gluon kernel over experts: sorted rows with an empty expert and tiles that run past an

@@ -165,16 +165,20 @@ GLUON_CASES = [(dict(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True
                (dict(bn=64, bm=256, bk=64, num_warps=4, num_stages=3, gluon=True), 0),
                (dict(bn=128, bm=256, bk=128, num_warps=8, num_stages=2, gluon=True, split_k=2), 0),
                (dict(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True), 1),
-               (dict(bn=64, bm=128, bk=128, num_warps=4, num_stages=3, gluon=True), 2)]
+               (dict(bn=64, bm=128, bk=128, num_warps=4, num_stages=3, gluon=True), 2),
+               (dict(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True, prefetch=4), 0),
+               (dict(bn=128, bm=256, bk=64, num_warps=8, num_stages=2, gluon=True, split_k=2, prefetch=4), 0),
+               (dict(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True, prefetch=4), 1)]
 
 
 @pytest.mark.parametrize("cfg,mode", GLUON_CASES, ids=["bn64bm128", "bn64bm256", "bn128bm256bk128split",
-                                                       "grouped_bn64bm128", "masked_bn64bm128bk128"])
+                                                       "grouped_bn64bm128", "masked_bn64bm128bk128", "bn64bm128pf4",
+                                                       "bn128bm256split_pf4", "grouped_bn64bm128pf4"])
 @pytest.mark.parametrize("fp16", [False, True], ids=["bf16", "fp16"])
 def test_sm90_sass_gluon(cfg, mode, fp16):
-    """The Gluon kernel (dense, grouped with scatter and row scale, masked): register-A wgmmas (two A
-    register sets, one per unrolled K step) that no instruction overwrites while they may still read
-    them, in the loop or the peeled last step; the decode and scale multiply in registers (no
+    """The Gluon kernel (dense, grouped with scatter and row scale, masked; weights loaded 2 or 4 K steps
+    ahead): register-A wgmmas (one A register set per unrolled K step) that no instruction overwrites
+    while they may still read them, in the loop or the peeled last steps; the decode and scale multiply in registers (no
     shared-memory store in the loop); no local memory."""
     r = _compile_in_subprocess(GLUON_SCRIPT, json.dumps(cfg), str(int(fp16)), str(mode))
     assert r["local"] == 0, r

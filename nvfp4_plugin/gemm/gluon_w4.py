@@ -53,11 +53,12 @@ def _g_weight_tile(q, sp, BN: gl.constexpr, BK: gl.constexpr, DT: gl.constexpr):
 
 @gluon.jit
 def _g_step(kk, it0, num_k, acc, q, sp, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, a_layout: gl.constexpr,
-            BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, DT: gl.constexpr, num_warps: gl.constexpr):
+            BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, DT: gl.constexpr, PF: gl.constexpr,
+            num_warps: gl.constexpr):
     """One K step (``kk`` of this tile; ``it0 + kk`` counts the steps of the program, for the x ring's
-    buffer and phase): load step kk+2's words, decode step kk's, issue its wgmma, retire step kk-1's
+    buffer and phase): load step kk+PF's words, decode step kk's, issue its wgmma, retire step kk-1's
     wgmma, refill the x buffer that step kk-1 read with step kk+STAGES-1."""
-    nk = kk + 2
+    nk = kk + PF
     more = nk < num_k
     q_n = gl.load(q_tile + nk * (BK // 4), mask=more, other=0)
     s_n = gl.load(s_tile + nk * (BK // 16), mask=more, other=0)
@@ -81,7 +82,7 @@ def _g_step(kk, it0, num_k, acc, q, sp, q_tile, s_tile, x_desc, x_smem, bars, of
 @gluon.jit
 def _g_tile(it0, num_k, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, mma: gl.constexpr, a_layout: gl.constexpr,
             BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, DT: gl.constexpr,
-            num_warps: gl.constexpr):
+            PF: gl.constexpr, num_warps: gl.constexpr):
     """``acc[BN, BM]`` of one output tile over ``num_k`` K steps (x rows from ``off_m``, K from ``k0``).
     Every buffer of the x ring is free on entry (the previous tile ended with all wgmmas retired)."""
     for i in gl.static_range(STAGES - 1):
@@ -89,25 +90,44 @@ def _g_tile(it0, num_k, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, mma: gl
         st = (it0 + i) % STAGES
         mbarrier.expect(bars.index(st), x_desc.block_type.nbytes, pred=ok)
         tma.async_copy_global_to_shared(x_desc, [off_m, k0 + i * BK], bars.index(st), x_smem.index(st), pred=ok)
-    # Words and scale pairs are loaded two K steps ahead into registers: qa/sa serve the even steps,
-    # qb/sb the odd ones.
-    qa = gl.load(q_tile)
-    sa = gl.load(s_tile)
-    more = num_k > 1
-    qb = gl.load(q_tile + BK // 4, mask=more, other=0)
-    sb = gl.load(s_tile + BK // 16, mask=more, other=0)
+    # Words and scale pairs are loaded PF (2 or 4) K steps ahead into registers: q0/s0 serve steps 0, PF,
+    # 2 PF, ..., q1/s1 steps 1, PF + 1, ... (PF sets: deeper prefetch hides more of the load latency).
+    q0 = gl.load(q_tile)
+    s0 = gl.load(s_tile)
+    q1 = gl.load(q_tile + BK // 4, mask=num_k > 1, other=0)
+    s1 = gl.load(s_tile + BK // 16, mask=num_k > 1, other=0)
+    if PF == 4:
+        q2 = gl.load(q_tile + 2 * (BK // 4), mask=num_k > 2, other=0)
+        s2 = gl.load(s_tile + 2 * (BK // 16), mask=num_k > 2, other=0)
+        q3 = gl.load(q_tile + 3 * (BK // 4), mask=num_k > 3, other=0)
+        s3 = gl.load(s_tile + 3 * (BK // 16), mask=num_k > 3, other=0)
     acc = gl.zeros([BN, BM], gl.float32, mma)
-    # Two K steps per trip: each has its own A registers, so the step that decodes never writes the
-    # registers of the wgmma still in flight (the one before it); that one is retired by the wait that
-    # follows the next wgmma (warpgroup_mma_wait(1)), one step before its registers are written again.
-    for kk in range(0, num_k - 1, 2):
-        acc, qa, sa = _g_step(kk, it0, num_k, acc, qa, sa, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, a_layout,
-                              BN, BK, STAGES, DT, num_warps)
-        acc, qb, sb = _g_step(kk + 1, it0, num_k, acc, qb, sb, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0,
-                              a_layout, BN, BK, STAGES, DT, num_warps)
-    if num_k % 2 == 1:
-        acc, qa, sa = _g_step(num_k - 1, it0, num_k, acc, qa, sa, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0,
-                              a_layout, BN, BK, STAGES, DT, num_warps)
+    # PF K steps per trip: consecutive steps have their own A registers, so the step that decodes never
+    # writes the registers of the wgmma still in flight (the one before it); that one is retired by the
+    # wait that follows the next wgmma (warpgroup_mma_wait(1)), before its registers are written again.
+    for kk in range(0, num_k - (PF - 1), PF):
+        acc, q0, s0 = _g_step(kk, it0, num_k, acc, q0, s0, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, a_layout,
+                              BN, BK, STAGES, DT, PF, num_warps)
+        acc, q1, s1 = _g_step(kk + 1, it0, num_k, acc, q1, s1, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0,
+                              a_layout, BN, BK, STAGES, DT, PF, num_warps)
+        if PF == 4:
+            acc, q2, s2 = _g_step(kk + 2, it0, num_k, acc, q2, s2, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0,
+                                  a_layout, BN, BK, STAGES, DT, PF, num_warps)
+            acc, q3, s3 = _g_step(kk + 3, it0, num_k, acc, q3, s3, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0,
+                                  a_layout, BN, BK, STAGES, DT, PF, num_warps)
+    # the last num_k % PF steps, peeled (their words are in q0, q1, q2 in that order)
+    rest = num_k % PF
+    kr = num_k - rest
+    if rest >= 1:
+        acc, q0, s0 = _g_step(kr, it0, num_k, acc, q0, s0, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, a_layout,
+                              BN, BK, STAGES, DT, PF, num_warps)
+    if PF == 4:
+        if rest >= 2:
+            acc, q1, s1 = _g_step(kr + 1, it0, num_k, acc, q1, s1, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0,
+                                  a_layout, BN, BK, STAGES, DT, PF, num_warps)
+        if rest >= 3:
+            acc, q2, s2 = _g_step(kr + 2, it0, num_k, acc, q2, s2, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0,
+                                  a_layout, BN, BK, STAGES, DT, PF, num_warps)
     return warpgroup_mma_wait(0, deps=(acc, ))
 
 
@@ -127,7 +147,8 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, ac
                     SPLIT_K, M_SPLIT,
                     MODE: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                     DT: gl.constexpr, HAS_BIAS: gl.constexpr, ACT_SCALE: gl.constexpr, IS_SPLIT: gl.constexpr,
-                    HAS_SCATTER: gl.constexpr, HAS_ROWSCALE: gl.constexpr, num_warps: gl.constexpr):
+                    HAS_SCATTER: gl.constexpr, HAS_ROWSCALE: gl.constexpr, PF: gl.constexpr,
+                    num_warps: gl.constexpr):
     """MODE 0: dense ``x[M, K]``, one output tile per program (program id -> split, N tile, M tile).
     MODE 1: grouped, rows ``aux[e]:aux[e+1]`` of x use expert e; MODE 2: masked, x is ``[E * M, K]``
     (M = max_m) and expert e's rows are ``e*M : e*M + min(aux[e], M)``. In both, program (N tile,
@@ -187,7 +208,7 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, ac
     if MODE == 0:
         off_m = pid_m * BM
         acc = _g_tile(0, num_k, q_tile, s_tile, x_desc, x_smem, bars, off_m, step0 * BK, mma, a_layout, BN, BM, BK,
-                      STAGES, DT, num_warps)
+                      STAGES, DT, PF, num_warps)
         out = acc * alpha[:, None]
         if ACT_SCALE == 1:
             out = out * gl.load(actscale_ptr)
@@ -214,7 +235,7 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, ac
         for mt in range(pe % M_SPLIT, gl.cdiv(hi - lo, BM), M_SPLIT):
             off_m = lo + mt * BM
             acc = _g_tile(it, num_k, q_tile, s_tile, x_desc, x_smem, bars, off_m, 0, mma, a_layout, BN, BM, BK,
-                          STAGES, DT, num_warps)
+                          STAGES, DT, PF, num_warps)
             it += num_k
             out = acc * alpha[:, None]
             if ACT_SCALE == 2:
@@ -290,7 +311,7 @@ def launch_dense(x2: torch.Tensor, w, y: torch.Tensor, cfg, dummy: torch.Tensor,
         m, lay.n, lay.k_pad, 0, w.words.stride(1), 0, w.scales.stride(1), 0, y.stride(0), sk, 1,
         MODE=0, BN=bn, BM=bm, BK=bk, STAGES=cfg.num_stages, DT=0 if x2.dtype == torch.bfloat16 else 1,
         HAS_BIAS=int(bias is not None), ACT_SCALE=int(act_scale is not None), IS_SPLIT=int(sk > 1),
-        HAS_SCATTER=0, HAS_ROWSCALE=0, num_warps=bn // 16)
+        HAS_SCATTER=0, HAS_ROWSCALE=0, PF=cfg.prefetch, num_warps=bn // 16)
     if sk > 1:
         block = 1024
         w4_splitk_reduce_kernel[(-(-lay.n // block), m)](ws, b, y, m, lay.n, y.stride(0), sk,
@@ -313,4 +334,4 @@ def launch_grouped(mode: int, x2: torch.Tensor, w, y2: torch.Tensor, cfg, aux: t
         w.alpha.stride(0), y2.stride(0), 1, m_split,
         MODE=mode, BN=bn, BM=bm, BK=bk, STAGES=cfg.num_stages, DT=0 if x2.dtype == torch.bfloat16 else 1,
         HAS_BIAS=0, ACT_SCALE=2 if act_scale is not None else 0, IS_SPLIT=0, HAS_SCATTER=int(scatter is not None),
-        HAS_ROWSCALE=int(row_scale is not None), num_warps=bn // 16)
+        HAS_ROWSCALE=int(row_scale is not None), PF=cfg.prefetch, num_warps=bn // 16)

@@ -86,7 +86,7 @@ def compile_gluon(cfg: W4Config, *, fp16: bool = False, split: bool = False, mod
            "M_SPLIT": "i32"}
     const = dict(MODE=mode, BN=cfg.bn, BM=cfg.bm, BK=cfg.bk, STAGES=cfg.num_stages, DT=int(fp16), HAS_BIAS=0,
                  ACT_SCALE=0, IS_SPLIT=int(split and mode == 0), HAS_SCATTER=int(mode == 1),
-                 HAS_ROWSCALE=int(mode == 1), num_warps=cfg.num_warps)
+                 HAS_ROWSCALE=int(mode == 1), PF=cfg.prefetch, num_warps=cfg.num_warps)
     for key in const:
         sig[key] = "constexpr"
     fn = gluon_w4.w4_wgmma_kernel
@@ -257,11 +257,12 @@ def main(argv=None) -> int:
     ap.add_argument("--gluon", action="store_true", help="the Gluon kernel (bn/16 warps; --mode 0/1/2 as for the "
                                                           "Triton kernel; --split-k > 1: its split-K epilogue)")
     ap.add_argument("--mode", type=int, default=0)
+    ap.add_argument("--prefetch", type=int, default=2, help="gluon: K steps the weights are loaded ahead (2 or 4)")
     ap.add_argument("--fp16", action="store_true")
     ap.add_argument("--dump", help="write the SASS here")
     a = ap.parse_args(argv)
     cfg = W4Config(bn=a.bn, bm=a.bm, bk=a.bk, split_k=a.split_k, num_warps=a.bn // 16 if a.gluon else a.warps,
-                   num_stages=a.stages, v2=a.v2, ss=a.ss, gluon=a.gluon)
+                   num_stages=a.stages, v2=a.v2, ss=a.ss, gluon=a.gluon, prefetch=a.prefetch)
     if a.gluon:
         ck = compile_gluon(cfg, fp16=a.fp16, split=a.split_k > 1, mode=a.mode)
     else:
