@@ -118,15 +118,16 @@ def dense_candidates(m: int, n: int, k: int) -> list[W4Config]:
 
 
 def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list[W4Config]:
-    """The Gluon kernel (dense, more than 64 rows): 1 or 2 warpgroups, 128- or 256-token tiles (also 64 up
-    to 256 rows: more tiles for the waves), K steps
-    of 64 or 128 with as many x buffers as fit, weights loaded 2 or 4 K steps ahead, and the two split-K factors that bring the program count
-    closest to 1-2 per SM (narrow N with long K has few output tiles)."""
+    """The Gluon kernel (dense, more than 64 rows): 1 or 2 warpgroups, 128- or 256-token tiles, K steps of
+    64 or 128 with as many x buffers as fit, weights loaded 2 or 4 K steps ahead, the two split-K factors
+    that bring the program count closest to 1-2 per SM (narrow N with long K has few output tiles), and
+    where the tiles end in a partial wave, split K of that wave's tiles only (split_tail). (64-token tiles
+    were offered at 128-256 rows on the H200 and won nothing, 2026-11-25.)"""
     if m <= 64:
         return []
     cands = []
     for bn in (64, 128):
-        for bm in (64, 128, 256) if m <= 256 else (128, 256):
+        for bm in (128, 256):
             for bk in (64, 128):
                 stages = gsel.gluon_stages(bm, bk)
                 tiles = math.ceil(m / bm) * math.ceil(n / bn)
@@ -137,6 +138,11 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list[W4Config]:
                     for pf in (2, 4):
                         cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=bn // 16, num_stages=stages,
                                               split_k=sk, gluon=True, prefetch=pf))
+                if tiles > sms and tiles % sms:      # a partial last wave: split only its tiles
+                    for sk in (2, 4):
+                        if steps // sk >= 4:
+                            cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=bn // 16, num_stages=stages,
+                                                  split_k=sk, gluon=True, prefetch=4, split_tail=True))
     return cands
 
 

@@ -547,13 +547,17 @@ GLUON_CFGS = [W4Config(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=Tr
                # weights 4 K steps ahead: K steps per split 1, 17, 65 and 32 (11 / 11 / 10 with split 3)
                # leave 0-3 steps after the unrolled loop
                W4Config(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True, prefetch=4),
-               W4Config(bn=128, bm=256, bk=64, num_warps=8, num_stages=2, gluon=True, split_k=3, prefetch=4)]
+               W4Config(bn=128, bm=256, bk=64, num_warps=8, num_stages=2, gluon=True, split_k=3, prefetch=4),
+               # split only the tiles past the last whole wave: at 1030 x 4096 (576 tiles of 64 x 128 on 132 SMs)
+               # 522 tiles over all of K and 54 split 2 ways, at 333 x 1000 (48 tiles) all split
+               W4Config(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True, split_k=2, prefetch=4,
+                        split_tail=True)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", GLUON_CFGS, ids=["bn64bm128", "bn64bm256split3", "bn128bm128bk128",
                                                   "bn128bm256split2", "bn64bm64split8", "bn64bm128pf4",
-                                                  "bn128bm256split3pf4"])
+                                                  "bn128bm256split3pf4", "bn64bm128splittail"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_gluon_dense(cfg, dtype):
     """The explicitly pipelined Gluon kernel: odd M / N / K (K not a multiple of the K step), bias of
@@ -641,6 +645,16 @@ def test_gluon_config_validation_and_selection():
     with pytest.raises(ValueError, match="does not fit"):
         W4Config(bn=64, bm=256, bk=128, num_warps=4, num_stages=4, gluon=True)
     assert W4Config.from_json(GLUON_CFGS[1].to_json()) == GLUON_CFGS[1]
+    with pytest.raises(ValueError, match="gluon options"):
+        W4Config(bn=64, bm=128, split_k=2, split_tail=True)
+    with pytest.raises(ValueError, match="prefetch"):
+        W4Config(bn=64, bm=128, num_warps=4, gluon=True, prefetch=3)
+    # split_tail: whole waves of one tile per SM over all of K, rounded down to whole N columns of tiles
+    from nvfp4_plugin.gemm import gluon_w4
+    assert gluon_w4.dp_tiles(9, 64, 132, True) == 522            # 528 rounded down to a multiple of 9
+    assert gluon_w4.dp_tiles(3, 16, 132, True) == 0              # fewer tiles than SMs: all split
+    assert gluon_w4.dp_tiles(2, 132, 132, True) == 264           # exact waves: nothing left to split
+    assert gluon_w4.dp_tiles(9, 64, 132, False) == 0             # plain split K: every tile split
     # the heuristic hands rows between GLUON_MIN_M and DEQUANT_MM_MIN_M to Gluon, splitting K for narrow N
     for m, n, k in ((128, 2048, 7168), (256, 28672, 4096), (300, 4096, 14336)):
         cfg = gsel.heuristic("dense", m, n, k)

@@ -21,7 +21,7 @@ from .. import numerics as nx
 from .._checks import check_choice, check_shape, check_tensor
 from . import triton_w4 as tk
 from .layout import PackedW4Weight
-from .select import W4Config, select_config
+from .select import W4Config, _num_sms, select_config
 
 MODES = ("w4a16", "w4a4")
 logger = logging.getLogger("nvfp4_plugin")
@@ -275,7 +275,8 @@ def w4_linear(x: torch.Tensor, weight: PackedW4Weight, bias: torch.Tensor | None
     if cfg.gluon:
         g = _gluon()
         if g is not None:
-            g.launch_dense(_tma_ready(x2), weight, y, cfg, _dummy(x.device), bias=bias, act_scale=act_scale)
+            g.launch_dense(_tma_ready(x2), weight, y, cfg, _dummy(x.device), bias=bias, act_scale=act_scale,
+                           sms=_num_sms(x.device.index))
             return y.reshape(*lead, n)
         cfg = _without_gluon(cfg)
     n_tiles = triton_cdiv(n, cfg.bn)

@@ -142,14 +142,28 @@ def _g_dst(scatter_ptr, off_m, hi, layout: gl.constexpr, BM: gl.constexpr, HAS_S
 
 
 @gluon.jit
+def _g_store_y(out, y_ptr, bias_ptr, offs_m, offs_n, n_ok, mask, stride_ym, st_l: gl.constexpr,
+               HAS_BIAS: gl.constexpr):
+    """Dense epilogue: ``y[m, n] = out[n, m] (+ bias[n])``, rounded once, stored from ``st_l``."""
+    res = gl.convert_layout(out, st_l)
+    if HAS_BIAS:
+        res = res + gl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
+    ptrs = y_ptr + offs_m[None, :].to(gl.int64) * stride_ym + offs_n[:, None]
+    gl.store(ptrs, res.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
 def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, actscale_ptr, aux_ptr, scatter_ptr,
                     rowscale_ptr, M, N, K_pad, stride_qe, stride_qn, stride_se, stride_sn, stride_ae, stride_ym,
-                    SPLIT_K, M_SPLIT,
+                    SPLIT_K, M_SPLIT, DP_TILES,
                     MODE: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                     DT: gl.constexpr, HAS_BIAS: gl.constexpr, ACT_SCALE: gl.constexpr, IS_SPLIT: gl.constexpr,
                     HAS_SCATTER: gl.constexpr, HAS_ROWSCALE: gl.constexpr, PF: gl.constexpr,
                     num_warps: gl.constexpr):
-    """MODE 0: dense ``x[M, K]``, one output tile per program (program id -> split, N tile, M tile).
+    """MODE 0: dense ``x[M, K]``, one output tile per program: programs ``[0, DP_TILES)`` take tiles
+    ``0 .. DP_TILES-1`` over all of K, the others the remaining tiles split ``SPLIT_K`` ways along K
+    (program -> split, tile; tiles are M-fastest, so ``DP_TILES``, a multiple of the M tiles, leaves
+    whole N columns to the split part).
     MODE 1: grouped, rows ``aux[e]:aux[e+1]`` of x use expert e; MODE 2: masked, x is ``[E * M, K]``
     (M = max_m) and expert e's rows are ``e*M : e*M + min(aux[e], M)``. In both, program (N tile,
     e * M_SPLIT + split) takes the expert's M tiles split, split + M_SPLIT, ...; rows past the
@@ -170,13 +184,16 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, ac
     if MODE == 0:
         pid = gl.program_id(0)
         m_tiles = gl.cdiv(M, BM)
-        tiles = m_tiles * gl.cdiv(N, BN)
-        pid_k = pid // tiles
-        t = pid % tiles
+        rest = m_tiles * gl.cdiv(N, BN) - DP_TILES
+        is_split = pid >= DP_TILES
+        r = gl.maximum(pid - DP_TILES, 0)
+        sp = is_split.to(gl.int32)
+        pid_k = r // gl.maximum(rest, 1)
+        t = pid + sp * (r % gl.maximum(rest, 1) - r)
         pid_m = t % m_tiles
         pid_n = t // m_tiles
         # split K: program pid_k takes K steps [step0, step0 + num_k) of the K_pad / BK steps
-        per = gl.cdiv(steps, SPLIT_K)
+        per = steps + sp * (gl.cdiv(steps, SPLIT_K) - steps)
         step0 = pid_k * per
         num_k = gl.minimum(per, steps - step0)
         e = 0
@@ -215,15 +232,16 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, ac
         offs_m = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, st_l))
         mask = n_ok[:, None] & (offs_m < M)[None, :]
         if IS_SPLIT:
-            # fp32 partial sums ws[pid_k, m, n]; w4_splitk_reduce_kernel adds them in a fixed order
-            ws = ws_ptr + (pid_k * M + offs_m[None, :]).to(gl.int64) * N + offs_n[:, None]
-            gl.store(ws, gl.convert_layout(out, st_l), mask=mask)
+            if is_split:
+                # fp32 partial sums ws[pid_k, m, n - n0] of the split columns [n0, N);
+                # w4_splitk_reduce_kernel adds them in a fixed order
+                n0 = (DP_TILES // m_tiles) * BN
+                ws = ws_ptr + (pid_k * M + offs_m[None, :]).to(gl.int64) * (N - n0) + (offs_n - n0)[:, None]
+                gl.store(ws, gl.convert_layout(out, st_l), mask=mask)
+            else:
+                _g_store_y(out, y_ptr, bias_ptr, offs_m, offs_n, n_ok, mask, stride_ym, st_l, HAS_BIAS)
         else:
-            res = gl.convert_layout(out, st_l)
-            if HAS_BIAS:
-                res = res + gl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
-            ptrs = y_ptr + offs_m[None, :].to(gl.int64) * stride_ym + offs_n[:, None]
-            gl.store(ptrs, res.to(y_ptr.dtype.element_ty), mask=mask)
+            _g_store_y(out, y_ptr, bias_ptr, offs_m, offs_n, n_ok, mask, stride_ym, st_l, HAS_BIAS)
     else:
         if MODE == 1:
             lo = gl.load(aux_ptr + e)
@@ -254,18 +272,19 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, ac
 
 
 @triton.jit
-def w4_splitk_reduce_kernel(ws_ptr, bias_ptr, y_ptr, M, N, stride_ym, SPLIT_K, HAS_BIAS: tl.constexpr,
+def w4_splitk_reduce_kernel(ws_ptr, bias_ptr, y_ptr, M, N, N0, stride_ym, SPLIT_K, HAS_BIAS: tl.constexpr,
                             BLOCK: tl.constexpr):
-    """``y[m, n] = sum_s ws[s, m, n] (+ bias[n])``, s in order (deterministic)."""
+    """``y[m, N0 + n] = sum_s ws[s, m, n] (+ bias[N0 + n])`` for n < N - N0, s in order (deterministic)."""
     m = tl.program_id(1)
+    nr = N - N0
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < N
+    ok = offs < nr
     acc = tl.zeros([BLOCK], tl.float32)
     for s in range(0, SPLIT_K):
-        acc += tl.load(ws_ptr + (s * M + m).to(tl.int64) * N + offs, mask=ok, other=0.0)
+        acc += tl.load(ws_ptr + (s * M + m).to(tl.int64) * nr + offs, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m.to(tl.int64) * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+        acc += tl.load(bias_ptr + N0 + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + N0 + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,31 +310,48 @@ def _bk(lay, cfg) -> int:
     return cfg.bk if lay.k_pad % cfg.bk == 0 else 64      # k_pad is a multiple of 64
 
 
-def launch_dense(x2: torch.Tensor, w, y: torch.Tensor, cfg, dummy: torch.Tensor, bias=None, act_scale=None) -> None:
+def dp_tiles(m_tiles: int, n_tiles: int, sms: int, split_tail: bool) -> int:
+    """Tiles computed over all of K before the split part: all of them without ``split_tail``; with it,
+    the whole waves of one tile per SM, rounded down to whole N columns of tiles (the tiles left over,
+    fewer than one per SM, are then split along K, so every SM gets about the same work)."""
+    tiles = m_tiles * n_tiles
+    if not split_tail:
+        return 0
+    return (tiles // sms) * sms // m_tiles * m_tiles
+
+
+def launch_dense(x2: torch.Tensor, w, y: torch.Tensor, cfg, dummy: torch.Tensor, bias=None, act_scale=None,
+                 sms: int = 132) -> None:
     """``y = x2 @ dequant(w)^T * alpha (* act_scale) (+ bias)`` with :func:`w4_wgmma_kernel`.
 
     ``x2``: ``[M, K]`` rows with a 16-byte aligned base and row stride (TMA); ``cfg``: a
-    :class:`~.select.W4Config` with ``gluon=True``. Split K writes fp32 partials to a workspace that
+    :class:`~.select.W4Config` with ``gluon=True``. Split K (of every tile, or with ``cfg.split_tail``
+    of the tiles past the last whole wave of ``sms`` tiles) writes fp32 partials to a workspace that
     :func:`w4_splitk_reduce_kernel` sums in split order (deterministic). ``dummy``: a device tensor for
     the pointer arguments a variant never reads."""
     lay = w.layout
     m = x2.shape[0]
     bm, bn, bk = cfg.bm, cfg.bn, _bk(lay, cfg)
     sk = splits(lay.k_pad, bk, cfg.split_k)
-    tiles = -(-m // bm) * -(-lay.n // bn)
+    m_tiles, n_tiles = -(-m // bm), -(-lay.n // bn)
+    tiles = m_tiles * n_tiles
+    dp = dp_tiles(m_tiles, n_tiles, sms, cfg.split_tail) if sk > 1 else tiles
+    if dp == tiles:
+        sk = 1
+    n0 = dp // m_tiles * bn
     d = dummy
-    ws = torch.empty((sk, m, lay.n), dtype=torch.float32, device=x2.device) if sk > 1 else d
+    ws = torch.empty((sk, m, lay.n - n0), dtype=torch.float32, device=x2.device) if sk > 1 else d
     b = bias if bias is not None else d
-    w4_wgmma_kernel[(tiles * sk,)](
+    w4_wgmma_kernel[(dp + (tiles - dp) * sk,)](
         _x_desc(x2, bm, bk), w.words, w.scales, w.alpha, b, y, ws, act_scale if act_scale is not None else d, d, d, d,
-        m, lay.n, lay.k_pad, 0, w.words.stride(1), 0, w.scales.stride(1), 0, y.stride(0), sk, 1,
+        m, lay.n, lay.k_pad, 0, w.words.stride(1), 0, w.scales.stride(1), 0, y.stride(0), sk, 1, dp,
         MODE=0, BN=bn, BM=bm, BK=bk, STAGES=cfg.num_stages, DT=0 if x2.dtype == torch.bfloat16 else 1,
         HAS_BIAS=int(bias is not None), ACT_SCALE=int(act_scale is not None), IS_SPLIT=int(sk > 1),
         HAS_SCATTER=0, HAS_ROWSCALE=0, PF=cfg.prefetch, num_warps=bn // 16)
     if sk > 1:
         block = 1024
-        w4_splitk_reduce_kernel[(-(-lay.n // block), m)](ws, b, y, m, lay.n, y.stride(0), sk,
-                                                         HAS_BIAS=int(bias is not None), BLOCK=block)
+        w4_splitk_reduce_kernel[(-(-(lay.n - n0) // block), m)](ws, b, y, m, lay.n, n0, y.stride(0), sk,
+                                                                HAS_BIAS=int(bias is not None), BLOCK=block)
 
 
 def launch_grouped(mode: int, x2: torch.Tensor, w, y2: torch.Tensor, cfg, aux: torch.Tensor, dummy: torch.Tensor, *,
@@ -331,7 +367,7 @@ def launch_grouped(mode: int, x2: torch.Tensor, w, y2: torch.Tensor, cfg, aux: t
         _x_desc(x2, bm, bk), w.words, w.scales, w.alpha, d, y2, d, act_scale if act_scale is not None else d, aux,
         scatter if scatter is not None else d, row_scale if row_scale is not None else d,
         m, lay.n, lay.k_pad, w.words.stride(0), w.words.stride(1), w.scales.stride(0), w.scales.stride(1),
-        w.alpha.stride(0), y2.stride(0), 1, m_split,
+        w.alpha.stride(0), y2.stride(0), 1, m_split, 0,
         MODE=mode, BN=bn, BM=bm, BK=bk, STAGES=cfg.num_stages, DT=0 if x2.dtype == torch.bfloat16 else 1,
         HAS_BIAS=0, ACT_SCALE=2 if act_scale is not None else 0, IS_SPLIT=0, HAS_SCATTER=int(scatter is not None),
         HAS_ROWSCALE=int(row_scale is not None), PF=cfg.prefetch, num_warps=bn // 16)

@@ -83,7 +83,7 @@ def compile_gluon(cfg: W4Config, *, fp16: bool = False, split: bool = False, mod
            "y_ptr": act, "ws_ptr": "*fp32", "actscale_ptr": "*fp32", "aux_ptr": "*i32", "scatter_ptr": "*i32",
            "rowscale_ptr": "*fp32", "M": "i32", "N": "i32", "K_pad": "i32", "stride_qe": "i32", "stride_qn": "i32",
            "stride_se": "i32", "stride_sn": "i32", "stride_ae": "i32", "stride_ym": "i32", "SPLIT_K": "i32",
-           "M_SPLIT": "i32"}
+           "M_SPLIT": "i32", "DP_TILES": "i32"}
     const = dict(MODE=mode, BN=cfg.bn, BM=cfg.bm, BK=cfg.bk, STAGES=cfg.num_stages, DT=int(fp16), HAS_BIAS=0,
                  ACT_SCALE=0, IS_SPLIT=int(split and mode == 0), HAS_SCATTER=int(mode == 1),
                  HAS_ROWSCALE=int(mode == 1), PF=cfg.prefetch, num_warps=cfg.num_warps)

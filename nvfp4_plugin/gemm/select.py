@@ -50,7 +50,9 @@ class W4Config:
     pipelined kernel of :mod:`.gluon_w4` (bn 64 or 128 with bn/16 warps, bm 64-256, x by TMA in
     ``num_stages`` buffers; dense, grouped without a gather index, masked; compiled GPUs only, otherwise
     the Triton kernel runs instead), prefetch: how many K steps ahead the gluon kernel loads the weight
-    words and scales into registers (2 or 4).
+    words and scales into registers (2 or 4), split_tail: dense gluon with split_k > 1 only: compute the
+    whole waves of tiles (one per SM) over all of K and split only the tiles left over, so that every SM
+    gets about the same work where the tile count is not a multiple of the SM count.
     """
 
     bn: int = 64
@@ -66,6 +68,7 @@ class W4Config:
     ss: bool = False
     gluon: bool = False
     prefetch: int = 2
+    split_tail: bool = False
 
     def __post_init__(self):
         if self.bn not in (32, 64, 128) and not (self.ss and self.bn == 256):
@@ -99,8 +102,9 @@ class W4Config:
             if self.num_stages * self.bm * self.bk * 2 > 160 * 1024:
                 raise ValueError(f"W4Config: gluon x ring of {self.num_stages} x {self.bm} x {self.bk} does not fit "
                                  "in shared memory (160 KB)")
-        elif self.prefetch != 2:
-            raise ValueError(f"W4Config.prefetch: only the gluon kernel takes it (got {self.prefetch} without gluon)")
+        elif self.prefetch != 2 or self.split_tail:
+            raise ValueError(f"W4Config: prefetch and split_tail are gluon options (got prefetch={self.prefetch}, "
+                             f"split_tail={self.split_tail} without gluon)")
         if self.split_k < 1 or self.num_stages < 1 or self.m_split < 0 or self.group_m < 1:
             raise ValueError(f"W4Config: invalid {self}")
 
@@ -206,7 +210,7 @@ GLUON_MIN_EXPERT_ROWS = 128
 
 def gluon_stages(bm: int, bk: int) -> int:
     """x buffers of a Gluon config: as many as fit beside the other operands (96-128 KB of ring)."""
-    return {(64, 64): 6, (64, 128): 4, (128, 64): 4, (256, 64): 3, (128, 128): 3, (256, 128): 2}[(bm, bk)]
+    return {(128, 64): 4, (256, 64): 3, (128, 128): 3, (256, 128): 2}[(bm, bk)]
 
 
 def gluon_heuristic(m: int, n: int, k: int, sms: int = 132) -> W4Config:
