@@ -673,6 +673,10 @@ def test_gluon_config_validation_and_selection():
         x = act((70, 96), torch.bfloat16, seed=2)
         y = w4_linear(x, prepack(w, torch.bfloat16), config=GLUON_CFGS[0])
         assert ulp_error(y, dense_ref(x, w), torch.bfloat16, "gluon_fallback") <= 2
+        # gluon-only options (the heuristic's prefetch=4, a tuned split_tail) do not reach the Triton kernel
+        assert torch.equal(w4_linear(x, prepack(w, torch.bfloat16), config=GLUON_CFGS[-1]), y)
+        assert gsel.heuristic("dense", 70, 130, 96).prefetch == 4
+        assert torch.equal(w4_linear(x, prepack(w, torch.bfloat16)), y)
         we = make_weight((3,), 72, 96, seed=3)
         offsets = torch.tensor([0, 5, 5, 9], dtype=torch.int32)
         xg = act((9, 96), torch.bfloat16, seed=4)

@@ -53,7 +53,7 @@ def _tma_ready(x2: torch.Tensor) -> torch.Tensor:
 def _without_gluon(cfg: W4Config) -> W4Config:
     """The Triton-kernel config that stands in for a gluon one where Gluon cannot run."""
     return dataclasses.replace(cfg, gluon=False, bn=128, num_warps=8, bm=min(cfg.bm, 128), split_k=1,
-                               num_stages=max(cfg.num_stages, 3))
+                               num_stages=max(cfg.num_stages, 3), prefetch=2, split_tail=False)
 
 
 # ----------------------------------------------------------------------------------------------
