@@ -316,7 +316,7 @@ def _compile_key(job: Job):
     if cfg.dequant_mm:
         return ("dequant", job.k % 128 == 0)
     return (job.kind, job.gather, cfg.bn, cfg.bm, cfg.bk, cfg.v2, cfg.ss, cfg.gluon, cfg.split_k > 1, cfg.num_warps,
-            cfg.num_stages, job.k % cfg.bk == 0, job.n % 16 == 0, job.k % 16 == 0)
+            cfg.num_stages, cfg.prefetch, job.k % cfg.bk == 0, job.n % 16 == 0, job.k % 16 == 0)
 
 
 def _dedupe(jobs: list[Job]) -> list[Job]:

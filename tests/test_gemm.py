@@ -548,8 +548,9 @@ GLUON_CFGS = [W4Config(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=Tr
                # leave 0-3 steps after the unrolled loop
                W4Config(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True, prefetch=4),
                W4Config(bn=128, bm=256, bk=64, num_warps=8, num_stages=2, gluon=True, split_k=3, prefetch=4),
-               # split only the tiles past the last whole wave: at 1030 x 4096 (576 tiles of 64 x 128 on 132 SMs)
-               # 522 tiles over all of K and 54 split 2 ways, at 333 x 1000 (48 tiles) all split
+               # split only the tiles past the last whole wave: at 1030 x 4100 (585 tiles of 128 rows x 64 on 132
+               # SMs) 522 tiles over all of K and 63 split 2 ways (N columns 3712-4099, the last one ragged),
+               # at 333 x 1000 (48 tiles) all split
                W4Config(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True, split_k=2, prefetch=4,
                         split_tail=True)]
 
@@ -562,7 +563,7 @@ GLUON_CFGS = [W4Config(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=Tr
 def test_gpu_gluon_dense(cfg, dtype):
     """The explicitly pipelined Gluon kernel: odd M / N / K (K not a multiple of the K step), bias of
     both dtypes, w4a4, split K, more than one wave; deterministic and CUDA-graph capturable."""
-    for (m, n, k) in ((1, 64, 64), (77, 200, 1040), (333, 1000, 4112), (1030, 4096, 2048)):
+    for (m, n, k) in ((1, 64, 64), (77, 200, 1040), (333, 1000, 4112), (1030, 4100, 2048)):
         w = make_weight((), n, k, seed=m + n + k)
         p = prepack(w, dtype)
         x = act((m, k), dtype, seed=m)
@@ -596,7 +597,8 @@ def test_gpu_gluon_grouped_and_masked(cfg, dtype):
     expert's end, scatter with top-k weights, w4a4, rows past expert_offsets[E]; masked with mask 0,
     partial, full and above max_m (rows past the mask untouched); a gather index falls back to the
     Triton kernel. All within 2 ulps, deterministic, graph-capturable."""
-    num_e, n, k, tokens, top_k = 6, 200, 1040, 300, 2
+    # K steps of 64: 17 (1040), 19 with prefetch=4 (1168: a 3-step tail after the 4-way unrolled loop)
+    num_e, n, k, tokens, top_k = 6, 200, 1040 if cfg.prefetch == 2 else 1168, 300, 2
     w = make_weight((num_e,), n, k, seed=71)
     p = prepack(w, dtype)
     pair, offsets, token, topk_w = routing(tokens, num_e, top_k, seed=72)
@@ -647,6 +649,8 @@ def test_gluon_config_validation_and_selection():
     assert W4Config.from_json(GLUON_CFGS[1].to_json()) == GLUON_CFGS[1]
     with pytest.raises(ValueError, match="gluon options"):
         W4Config(bn=64, bm=128, split_k=2, split_tail=True)
+    with pytest.raises(ValueError, match="needs split_k >= 2"):
+        W4Config(bn=64, bm=128, num_warps=4, gluon=True, split_tail=True)
     with pytest.raises(ValueError, match="prefetch"):
         W4Config(bn=64, bm=128, num_warps=4, gluon=True, prefetch=3)
     # split_tail: whole waves of one tile per SM over all of K, rounded down to whole N columns of tiles

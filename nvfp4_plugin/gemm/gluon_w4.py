@@ -6,16 +6,18 @@ Triton's pipeliner, which on Triton 3.6 either races on the register operand or 
 workaround in ``triton_w4._mma_tile``) retires every K step's wgmma before the next decode:
 
 * x tiles arrive by TMA into a ring of ``STAGES`` shared-memory buffers (one mbarrier each);
-* the weight words and scale pairs are loaded two K steps ahead into registers;
+* the weight words and scale pairs are loaded ``PF`` (2 or 4, ``W4Config.prefetch``) K steps ahead into
+  registers;
 * step k's wgmma is issued asynchronously and waited for (``warpgroup_mma_wait(1)``) right after step
   k+1's is issued, so step k+1's decode overlaps it; then the x buffer it read is refilled;
-* the K loop is unrolled by two (plus a peeled last step): consecutive steps decode into different
+* the K loop is unrolled by PF (plus up to PF-1 peeled last steps): consecutive steps decode into different
   registers, so no instruction writes the A operand of the wgmma still in flight. (The ``deps`` of
   ``warpgroup_mma_wait`` do not ensure this for register operands: ptxas does not see them.)
   tests/test_gemm_sass.py checks the SASS for such writes.
 
-Split K (narrow N with long K has few output tiles) writes fp32 partials that
-:func:`w4_splitk_reduce_kernel` adds in split order (deterministic).
+Split K (narrow N with long K has few output tiles; or, with ``W4Config.split_tail``, only the tiles past
+the last whole wave) writes fp32 partials that :func:`w4_splitk_reduce_kernel` adds in split order
+(deterministic).
 """
 
 from __future__ import annotations
@@ -311,9 +313,10 @@ def _bk(lay, cfg) -> int:
 
 
 def dp_tiles(m_tiles: int, n_tiles: int, sms: int, split_tail: bool) -> int:
-    """Tiles computed over all of K before the split part: all of them without ``split_tail``; with it,
-    the whole waves of one tile per SM, rounded down to whole N columns of tiles (the tiles left over,
-    fewer than one per SM, are then split along K, so every SM gets about the same work)."""
+    """Tiles computed over all of K ahead of the split ones, for a split launch: none without ``split_tail``
+    (every tile is split); with it, the whole waves of one tile per SM, rounded down to whole N columns of
+    tiles (the tiles left over, fewer than one per SM, are then split along K, so every SM gets about the
+    same work)."""
     tiles = m_tiles * n_tiles
     if not split_tail:
         return 0

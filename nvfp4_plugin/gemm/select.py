@@ -102,6 +102,9 @@ class W4Config:
             if self.num_stages * self.bm * self.bk * 2 > 160 * 1024:
                 raise ValueError(f"W4Config: gluon x ring of {self.num_stages} x {self.bm} x {self.bk} does not fit "
                                  "in shared memory (160 KB)")
+            if self.split_tail and self.split_k < 2:
+                raise ValueError(f"W4Config.split_tail: splits the last wave's tiles along K, needs split_k >= 2, "
+                                 f"got split_k={self.split_k}")
         elif self.prefetch != 2 or self.split_tail:
             raise ValueError(f"W4Config: prefetch and split_tail are gluon options (got prefetch={self.prefetch}, "
                              f"split_tail={self.split_tail} without gluon)")
