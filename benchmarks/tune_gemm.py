@@ -129,20 +129,17 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list[W4Config]:
     for bn in (64, 128):
         for bm in (128, 256):
             for bk in (64, 128):
-                stages = gsel.gluon_stages(bm, bk)
                 tiles = math.ceil(m / bm) * math.ceil(n / bn)
                 steps = math.ceil(k / bk)
                 opts = [s for s in (1, 2, 4, 8) if s == 1 or (steps // s >= 4 and tiles * s <= 4 * sms)]
                 opts.sort(key=lambda s: abs(math.log(tiles * s / (1.5 * sms))))
                 for sk in sorted(opts[:2]):
                     for pf in (2, 4):
-                        cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=bn // 16, num_stages=stages,
-                                              split_k=sk, gluon=True, prefetch=pf))
+                        cands.append(gsel.gluon_config(bn, bm, bk, split_k=sk, prefetch=pf))
                 if tiles > sms and tiles % sms:      # a partial last wave: split only its tiles
                     for sk in (2, 4):
                         if steps // sk >= 4:
-                            cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=bn // 16, num_stages=stages,
-                                                  split_k=sk, gluon=True, prefetch=4, split_tail=True))
+                            cands.append(gsel.gluon_config(bn, bm, bk, split_k=sk, prefetch=4, split_tail=True))
     return cands
 
 
@@ -190,10 +187,8 @@ def grouped_gluon_candidates(bms) -> list[W4Config]:
     for bn in (64, 128):
         for bm in bms:
             for bk in (64, 128):
-                stages = gsel.gluon_stages(bm, bk)
                 for pf in (2, 4):
-                    cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=bn // 16, num_stages=stages, gluon=True,
-                                          prefetch=pf))
+                    cands.append(gsel.gluon_config(bn, bm, bk, prefetch=pf))
     return cands
 
 

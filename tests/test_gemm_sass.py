@@ -177,9 +177,9 @@ GLUON_CASES = [(dict(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True
 @pytest.mark.parametrize("fp16", [False, True], ids=["bf16", "fp16"])
 def test_sm90_sass_gluon(cfg, mode, fp16):
     """The Gluon kernel (dense, grouped with scatter and row scale, masked; weights loaded 2 or 4 K steps
-    ahead): register-A wgmmas (one A register set per unrolled K step) that no instruction overwrites
-    while they may still read them, in the loop or the peeled last steps; the decode and scale multiply in registers (no
-    shared-memory store in the loop); no local memory."""
+    ahead): register-A wgmmas that no instruction overwrites while they may still read them, in the loop
+    or the peeled last steps; the decode and scale multiply in registers (no shared-memory store in the
+    loop); no local memory."""
     r = _compile_in_subprocess(GLUON_SCRIPT, json.dumps(cfg), str(int(fp16)), str(mode))
     assert r["local"] == 0, r
     assert r["hgmma"] > 0 and r["loop_ops"].get("HGMMA", 0) > 0, r

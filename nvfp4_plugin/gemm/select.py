@@ -216,12 +216,17 @@ def gluon_stages(bm: int, bk: int) -> int:
     return {(128, 64): 4, (256, 64): 3, (128, 128): 3, (256, 128): 2}[(bm, bk)]
 
 
+def gluon_config(bn: int, bm: int, bk: int, **kw) -> W4Config:
+    """A Gluon config with the warps (one warp per 16 weight rows) and x buffers (gluon_stages) its tile takes."""
+    return W4Config(bn=bn, bm=bm, bk=bk, num_warps=bn // 16, num_stages=gluon_stages(bm, bk), gluon=True, **kw)
+
+
 def gluon_heuristic(m: int, n: int, k: int, sms: int = 132) -> W4Config:
     """One warpgroup per 64 weight rows, weights loaded 4 K steps ahead (it won every tuned H200 problem
     of 128-1024 rows against 2 steps, 2026-11-25); split K until about two programs per SM (at least 8
     K steps each): the narrow shapes (N = 2048-4096 with long K) have only 16-64 output tiles."""
     bm = 128 if m <= 128 else 256
-    cfg = W4Config(bn=64, bm=bm, bk=64, num_warps=4, num_stages=gluon_stages(bm, 64), gluon=True, prefetch=4)
+    cfg = gluon_config(64, bm, 64, prefetch=4)
     tiles = -(-m // bm) * -(-n // 64)
     steps = -(-k // 64)
     split = 1
@@ -249,7 +254,7 @@ def heuristic(kind: str, m: int, n: int, k: int, e: int = 1, sms: int = 132) -> 
         active = e if kind == "masked" else 1
         rows = m
     if kind != "dense" and rows >= GLUON_MIN_EXPERT_ROWS:
-        return W4Config(bn=64, bm=128, bk=64, num_warps=4, num_stages=gluon_stages(128, 64), gluon=True)
+        return gluon_config(64, 128, 64)
     if rows <= 8:
         cfg = W4Config(bn=64, bm=8, bk=bk, v2=True, num_warps=4, num_stages=4 if bk == 256 else 5)
     elif rows <= 16:
