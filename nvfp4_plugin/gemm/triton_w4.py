@@ -86,51 +86,64 @@ def _jit(fn=None, **kwargs):
 # Decode: PTX (GPU) and Triton ops (interpreter); both compute the same bits.
 # ----------------------------------------------------------------------------------------------
 
-def _decode_ptx(act_dtype: torch.dtype) -> str:
-    """Inline PTX: $4 = word (8 codes), $5 = scale pair (u16) -> $0..$3 = scaled bf16x2/f16x2 A registers."""
+def _decode_ptx(act_dtype: torch.dtype, pack: int = 1) -> str:
+    """Inline PTX for ``pack`` (1 or 2) words: word e (8 codes) and its scale pair -> the four scaled
+    bf16x2/f16x2 A registers of word e (output k of word e is ``$(k * pack + e)``).
+
+    pack=1: ``$4`` = word, ``$5`` = scale pair (u16). pack=2: ``$8``/``$9`` = words, ``$10`` = both scale
+    pairs in one 32-bit register (word 0's in the low half), so no 16-bit extraction is needed: the byte
+    permute that spreads a pair into the two halves selects the pair's bytes directly."""
     _, _, outputs = BIT_PLANS[act_dtype]
     mul = "mul.rn.bf16x2" if act_dtype == torch.bfloat16 else "mul.rn.f16x2"
     if act_dtype == torch.bfloat16:
         expand = f"mad.lo.u32 c, c, 16, {BF16_SCALE_BIAS * 0x10001:#x};"
     else:
         expand = "shl.b32 c, c, 7;"
-    lines = [".reg .b32 sx, c, h0, h1, ta, tb;", ".reg .b16 cl, ch;",
-             "cvt.u32.u16 sx, $5;", "prmt.b32 c, sx, 0, 0x4140;", expand,
-             "mov.b32 {cl, ch}, c;", "mov.b32 h0, {cl, cl};", "mov.b32 h1, {ch, ch};"]
-    for k, pieces in enumerate(outputs):
-        for i, (r, m) in enumerate(pieces):
-            dst = "ta" if i == 0 else "tb"
-            src = "$4"
-            if r:
-                bits = [b for b in range(32) if (m >> b) & 1]
-                if all(b + r < 32 for b in bits):        # no wrapped bit survives the mask: plain shift
-                    lines.append(f"shr.b32 {dst}, $4, {r};")
-                elif all(b + r >= 32 for b in bits):
-                    lines.append(f"shl.b32 {dst}, $4, {32 - r};")
-                else:
-                    lines.append(f"shf.r.wrap.b32 {dst}, $4, $4, {r};")
-                src = dst
-            lines.append(f"and.b32 {dst}, {src}, {m:#x};")
-            if i:
-                lines.append("or.b32 ta, ta, tb;")
-        lines.append(f"{mul} ${k}, ta, {'h0' if k % 2 == 0 else 'h1'};")
+    lines = [".reg .b32 sx, c, h0, h1, ta, tb;", ".reg .b16 cl, ch;"]
+    for e in range(pack):
+        word = f"${4 * pack + e}"
+        if pack == 1:
+            lines += ["cvt.u32.u16 sx, $5;", "prmt.b32 c, sx, 0, 0x4140;"]
+        else:
+            lines.append(f"prmt.b32 c, ${4 * pack + pack}, 0, {0x4140 + 0x202 * e:#x};")
+        lines += [expand, "mov.b32 {cl, ch}, c;", "mov.b32 h0, {cl, cl};", "mov.b32 h1, {ch, ch};"]
+        for k, pieces in enumerate(outputs):
+            for i, (r, m) in enumerate(pieces):
+                dst = "ta" if i == 0 else "tb"
+                src = word
+                if r:
+                    bits = [b for b in range(32) if (m >> b) & 1]
+                    if all(b + r < 32 for b in bits):        # no wrapped bit survives the mask: plain shift
+                        lines.append(f"shr.b32 {dst}, {word}, {r};")
+                    elif all(b + r >= 32 for b in bits):
+                        lines.append(f"shl.b32 {dst}, {word}, {32 - r};")
+                    else:
+                        lines.append(f"shf.r.wrap.b32 {dst}, {word}, {word}, {r};")
+                    src = dst
+                lines.append(f"and.b32 {dst}, {src}, {m:#x};")
+                if i:
+                    lines.append("or.b32 ta, ta, tb;")
+            lines.append(f"{mul} ${k * pack + e}, ta, {'h0' if k % 2 == 0 else 'h1'};")
     return "{\n" + "\n".join(lines) + "\n}"
 
 
 _PTX_BF16 = tl.constexpr(_decode_ptx(torch.bfloat16))
 _PTX_FP16 = tl.constexpr(_decode_ptx(torch.float16))
+_PTX2_BF16 = tl.constexpr(_decode_ptx(torch.bfloat16, 2))
+_PTX2_FP16 = tl.constexpr(_decode_ptx(torch.float16, 2))
 
 
 @_jit
 def _decode_asm(q, sp, DT: tl.constexpr):
+    # two words per asm block: their two 16-bit scale pairs arrive as one 32-bit register
     if DT == 0:
-        return tl.inline_asm_elementwise(asm=_PTX_BF16, constraints="=r,=r,=r,=r,r,h", args=[q, sp],
-                                         dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True,
-                                         pack=1)
+        return tl.inline_asm_elementwise(asm=_PTX2_BF16, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+                                         args=[q, sp], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+                                         is_pure=True, pack=2)
     else:
-        return tl.inline_asm_elementwise(asm=_PTX_FP16, constraints="=r,=r,=r,=r,r,h", args=[q, sp],
-                                         dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True,
-                                         pack=1)
+        return tl.inline_asm_elementwise(asm=_PTX2_FP16, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+                                         args=[q, sp], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+                                         is_pure=True, pack=2)
 
 
 @_jit
