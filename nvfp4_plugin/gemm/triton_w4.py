@@ -99,7 +99,8 @@ def _decode_ptx(act_dtype: torch.dtype, pack: int = 1) -> str:
         expand = f"mad.lo.u32 c, c, 16, {BF16_SCALE_BIAS * 0x10001:#x};"
     else:
         expand = "shl.b32 c, c, 7;"
-    lines = [".reg .b32 sx, c, h0, h1, ta, tb;", ".reg .b16 cl, ch;"]
+    regs = "sx, c, h0, h1, ta, tb" if pack == 1 else "c, h0, h1, ta, tb"    # sx: the u16 pair, widened
+    lines = [f".reg .b32 {regs};", ".reg .b16 cl, ch;"]
     for e in range(pack):
         word = f"${4 * pack + e}"
         if pack == 1:
