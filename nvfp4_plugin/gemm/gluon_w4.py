@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import triton_w4 as tk
-from .triton_w4 import _PTX_BF16, _PTX_FP16
+from .triton_w4 import _PTX2_BF16, _PTX2_FP16
 
 
 @gluon.jit
@@ -39,13 +39,13 @@ def _g_weight_tile(q, sp, BN: gl.constexpr, BK: gl.constexpr, DT: gl.constexpr):
     """Words ``[BK/64, BN/2, 16]`` + scale pairs -> decoded ``[BN, BK]`` (the wgmma A fragment order)."""
     KA: gl.constexpr = BK // 64
     if DT == 0:
-        o0, o1, o2, o3 = gl.inline_asm_elementwise(_PTX_BF16, "=r,=r,=r,=r,r,h", [q, sp],
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(_PTX2_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [q, sp],
                                                    dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
-                                                   is_pure=True, pack=1)
+                                                   is_pure=True, pack=2)
     else:
-        o0, o1, o2, o3 = gl.inline_asm_elementwise(_PTX_FP16, "=r,=r,=r,=r,r,h", [q, sp],
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(_PTX2_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [q, sp],
                                                    dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
-                                                   is_pure=True, pack=1)
+                                                   is_pure=True, pack=2)
     # (the Triton kernel's helper: Gluon compiles it, with the layouts its inputs carry)
     t = gl.join(gl.join(tk._halves(o0, DT), tk._halves(o1, DT)), gl.join(tk._halves(o2, DT), tk._halves(o3, DT)))
     t = gl.reshape(t, [KA, BN // 16, 8, 4, 4, 2, 2, 2])          # ka, w, g, c, j, e, h, kh

@@ -86,27 +86,24 @@ def _jit(fn=None, **kwargs):
 # Decode: PTX (GPU) and Triton ops (interpreter); both compute the same bits.
 # ----------------------------------------------------------------------------------------------
 
-def _decode_ptx(act_dtype: torch.dtype, pack: int = 1) -> str:
-    """Inline PTX for ``pack`` (1 or 2) words: word e (8 codes) and its scale pair -> the four scaled
-    bf16x2/f16x2 A registers of word e (output k of word e is ``$(k * pack + e)``).
+def _decode_ptx(act_dtype: torch.dtype) -> str:
+    """Inline PTX for two words: word e (8 codes) and its scale pair -> the four scaled bf16x2/f16x2 A
+    registers of word e (output k of word e is ``$(2 * k + e)``).
 
-    pack=1: ``$4`` = word, ``$5`` = scale pair (u16). pack=2: ``$8``/``$9`` = words, ``$10`` = both scale
-    pairs in one 32-bit register (word 0's in the low half), so no 16-bit extraction is needed: the byte
-    permute that spreads a pair into the two halves selects the pair's bytes directly."""
+    ``$8``/``$9`` = the words, ``$10`` = both scale pairs in one 32-bit register (word 0's in the low half),
+    so no 16-bit extraction is needed: the byte permute that spreads a pair into the two halves selects
+    the pair's bytes directly. (Both the Triton and the Gluon kernels decode two words per block: five to
+    six percent fewer loop instructions than one word per block.)"""
     _, _, outputs = BIT_PLANS[act_dtype]
     mul = "mul.rn.bf16x2" if act_dtype == torch.bfloat16 else "mul.rn.f16x2"
     if act_dtype == torch.bfloat16:
         expand = f"mad.lo.u32 c, c, 16, {BF16_SCALE_BIAS * 0x10001:#x};"
     else:
         expand = "shl.b32 c, c, 7;"
-    regs = "sx, c, h0, h1, ta, tb" if pack == 1 else "c, h0, h1, ta, tb"    # sx: the u16 pair, widened
-    lines = [f".reg .b32 {regs};", ".reg .b16 cl, ch;"]
-    for e in range(pack):
-        word = f"${4 * pack + e}"
-        if pack == 1:
-            lines += ["cvt.u32.u16 sx, $5;", "prmt.b32 c, sx, 0, 0x4140;"]
-        else:
-            lines.append(f"prmt.b32 c, ${4 * pack + pack}, 0, {0x4140 + 0x202 * e:#x};")
+    lines = [".reg .b32 c, h0, h1, ta, tb;", ".reg .b16 cl, ch;"]
+    for e in range(2):
+        word = f"${8 + e}"
+        lines.append(f"prmt.b32 c, $10, 0, {0x4140 + 0x202 * e:#x};")
         lines += [expand, "mov.b32 {cl, ch}, c;", "mov.b32 h0, {cl, cl};", "mov.b32 h1, {ch, ch};"]
         for k, pieces in enumerate(outputs):
             for i, (r, m) in enumerate(pieces):
@@ -124,14 +121,12 @@ def _decode_ptx(act_dtype: torch.dtype, pack: int = 1) -> str:
                 lines.append(f"and.b32 {dst}, {src}, {m:#x};")
                 if i:
                     lines.append("or.b32 ta, ta, tb;")
-            lines.append(f"{mul} ${k * pack + e}, ta, {'h0' if k % 2 == 0 else 'h1'};")
+            lines.append(f"{mul} ${2 * k + e}, ta, {'h0' if k % 2 == 0 else 'h1'};")
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-_PTX_BF16 = tl.constexpr(_decode_ptx(torch.bfloat16))
-_PTX_FP16 = tl.constexpr(_decode_ptx(torch.float16))
-_PTX2_BF16 = tl.constexpr(_decode_ptx(torch.bfloat16, 2))
-_PTX2_FP16 = tl.constexpr(_decode_ptx(torch.float16, 2))
+_PTX2_BF16 = tl.constexpr(_decode_ptx(torch.bfloat16))
+_PTX2_FP16 = tl.constexpr(_decode_ptx(torch.float16))
 
 
 @_jit
