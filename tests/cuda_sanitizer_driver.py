@@ -49,12 +49,13 @@ def main() -> int:
             for swizzle in (True, False):
                 for fmt in ("e4m3", "ue8m0"):
                     ops.scaled_fp4_quant(x, gs, swizzle=swizzle, scale_format=fmt)
-    # an input of several L2 sizes: many row steps per CTA in the grid-wide row order (the 8-row groups
-    # with NVFP4_PLUGIN_QUANT_TILING=groups; up to 1024 rows they are the default, csrc dense_uses_groups)
+    # inputs of several L2 sizes (csrc dense_tiling): 3 L2 sizes at K=2048 take the one-wave row-block kernel
+    # (many row steps per CTA in the grid-wide order), 6 at K=1040 (padding columns) the many-wave chunks
     l2 = torch.cuda.get_device_properties(0).L2_cache_size or 50 << 20
-    x = torch.randn((3 * l2) // (1040 * 2) + 165, 1040, device="cuda").to(torch.bfloat16)
-    ops.scaled_fp4_quant(x, nx.tensor_global_scale(x).reshape(1), swizzle=True)
-    del x
+    for k, times in ((2048, 3), (1040, 6)):
+        x = torch.randn((times * l2) // (k * 2) + 165, k, device="cuda").to(torch.bfloat16)
+        ops.scaled_fp4_quant(x, nx.tensor_global_scale(x).reshape(1), swizzle=True)
+        del x
     done.append("scaled_fp4_quant")
 
     for dtype in (torch.bfloat16, torch.float16):
@@ -62,14 +63,14 @@ def main() -> int:
         eo = torch.tensor([0, 0, 37, 37, 150, 190], dtype=torch.int32, device="cuda")  # empty experts, 10 tail rows
         bo = nx.blockscale_offsets_from_expert_offsets(eo)
         ops.scaled_fp4_experts_quant(x, torch.rand(5, device="cuda") + 0.1, eo, bo)
-    # an input of 6 L2 sizes: the experts kernel's 8-row groups (csrc experts_uses_groups), padding columns
+    # an input of 6 L2 sizes: the experts chunks kernel (csrc experts_tiling), padding columns
     rows = (6 * l2) // (1040 * 2) + 165
     x = torch.randn(rows, 1040, device="cuda").to(torch.bfloat16)
     cuts = sorted(torch.randint(0, rows - 10, (4,)).tolist())
     eo = torch.tensor([0, 0, *cuts, rows - 10], dtype=torch.int32, device="cuda")  # an empty expert, 10 tail rows
     bo = nx.blockscale_offsets_from_expert_offsets(eo)
     ops.scaled_fp4_experts_quant(x, torch.rand(6, device="cuda") + 0.1, eo, bo)
-    # blockscale offsets off the 128-row grid: the groups kernel's per-row expert lookup
+    # blockscale offsets off the 128-row grid (outside the contract; the reference's bytes all the same)
     bo = bo.clone()
     bo[1:] += 64
     ops.scaled_fp4_experts_quant(x, torch.rand(6, device="cuda") + 0.1, eo, bo)

@@ -114,26 +114,29 @@ def test_scaled_fp4_quant_degenerate_global_scales(cuda_ops, gs, scale_format):
 
 def _row_group_rows(k: int, elem: int, l2_times: int = 3) -> int:
     """A row count (not a multiple of 128) whose input is past an ``l2_times`` x L2 threshold of csrc
-    (experts_uses_groups: 6, masked_uses_groups: 16; dense: 3, many row steps per CTA)."""
+    (experts_tiling: 6, masked_uses_groups: 16; dense: 3, many row steps per CTA)."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size or 50 << 20
     return (l2_times * l2) // (k * elem) + 128 + 37
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_scaled_fp4_quant_large_m(cuda_ops, dtype):
-    """Inputs of several L2 sizes: the row-block tile in the grid-wide row order, many row steps per CTA
-    (the 8-row groups with NVFP4_PLUGIN_QUANT_TILING=groups): same bytes as the reference, padding rows
-    zeroed, both scale formats (K=2048: 128 block columns, 2 rows per CTA step; K=1040: padding columns)."""
-    for k in (2048, 1040):
-        m = _row_group_rows(k, torch.empty((), dtype=dtype).element_size())
+    """Inputs of several L2 sizes (csrc dense_tiling): same bytes as the reference, padding rows zeroed, both
+    scale formats and layouts. K=2048 at 3 L2 sizes: the one-wave row-block tile in the grid-wide row order
+    (128 block columns, 2 rows per CTA step); K=1040 at 6 L2 sizes: the many-wave chunks kernel (padding
+    columns)."""
+    for k, times in ((2048, 3), (1040, 6)):
+        m = _row_group_rows(k, torch.empty((), dtype=dtype).element_size(), l2_times=times)
         x = activations(m, k, dtype, seed=k)
         gs = nx.tensor_global_scale(x).reshape(1)
-        for fmt in ("e4m3", "ue8m0"):
-            q, s = cuda_ops.scaled_fp4_quant(x, gs, swizzle=True, scale_format=fmt)
-            q_ref, s_ref = ref.scaled_fp4_quant(x, gs, swizzle=True, scale_format=fmt)
-            assert_same_bytes(q, q_ref, f"codes m={m} k={k} {dtype} {fmt}")
-            assert_same_bytes(s, s_ref, f"scales m={m} k={k} {dtype} {fmt}")
-        del x, q, s, q_ref, s_ref
+        for fmt, swizzle in (("e4m3", True), ("ue8m0", True), ("e4m3", False)):
+            q, s = cuda_ops.scaled_fp4_quant(x, gs, swizzle=swizzle, scale_format=fmt)
+            q_ref, s_ref = ref.scaled_fp4_quant(x, gs, swizzle=swizzle, scale_format=fmt)
+            what = f"m={m} k={k} {dtype} {fmt} swizzle={swizzle}"
+            assert_same_bytes(q, q_ref, f"codes {what}")
+            assert_same_bytes(s, s_ref, f"scales {what}")
+            del q, s, q_ref, s_ref
+        del x
         torch.cuda.empty_cache()
 
 
@@ -186,9 +189,9 @@ def test_scaled_fp4_experts_quant_fuzz(cuda_ops, dtype):
 
 
 def _large_experts_case(cuda_ops, dtype, seed: int, shift_offsets: int = 0) -> None:
-    """6 x L2 of input over 64 experts (the experts kernel's 8-row groups over the scale rows, csrc
-    experts_uses_groups): empty experts, rows past the last offset, the scale tail, padding columns
-    (K=1040). shift_offsets moves every expert but the first that many scale rows down."""
+    """6 x L2 of input over 64 experts (the experts chunks kernel, csrc experts_tiling): empty experts, rows
+    past the last offset, the scale tail, padding columns (K=1040). shift_offsets moves every expert but the
+    first that many scale rows down."""
     k = 1040
     m = _row_group_rows(k, torch.empty((), dtype=dtype).element_size(), l2_times=6)
     eo = routing(m, 64, seed=seed, tail=5).cuda()
@@ -211,8 +214,8 @@ def test_scaled_fp4_experts_quant_large_row_groups(cuda_ops, dtype):
 
 def test_scaled_fp4_experts_quant_large_unaligned_blockscale_offsets(cuda_ops):
     """Blockscale offsets that are not multiples of 128 (outside the documented contract, and not
-    checkable without a host sync) still give the reference's bytes on the 8-row-group path: the
-    kernel falls back to a per-row expert lookup."""
+    checkable without a host sync) still give the reference's bytes on the chunks path (every scale row
+    that no expert row writes is zeroed, wherever the offsets put it)."""
     _large_experts_case(cuda_ops, torch.bfloat16, seed=13, shift_offsets=64)
 
 

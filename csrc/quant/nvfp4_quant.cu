@@ -82,43 +82,67 @@ inline int64_t l2_cache_bytes() {
   return bytes;
 }
 
-// NVFP4_PLUGIN_QUANT_TILING=rows|groups forces the row-block or the 8-row-group tiling of the dense,
-// experts and masked kernels wherever both apply (swizzled scales, >= 32 block columns); unset or
-// "auto" keeps the measured choice. For benchmarks; read once per process.
-enum class TilingChoice { kAuto, kRows, kGroups };
+// NVFP4_PLUGIN_QUANT_TILING=rows|groups|chunks forces one tiling of the compiled NVFP4 kernels wherever it
+// applies: `rows` the one-wave row-block kernels (dense, experts, masked), `groups` the 8-row groups (dense and
+// masked, swizzled scales with >= 32 block columns), `chunks` the many-wave kernels whose CTAs each take a short
+// run of consecutive row steps (dense, experts). Unset or "auto" keeps the measured choice. For benchmarks and
+// tests; read once per process.
+enum class TilingChoice { kAuto, kRows, kGroups, kChunks };
 inline TilingChoice tiling_choice() {
   static const TilingChoice c = [] {
     const char* v = std::getenv("NVFP4_PLUGIN_QUANT_TILING");
     if (v != nullptr && std::strcmp(v, "rows") == 0) return TilingChoice::kRows;
     if (v != nullptr && std::strcmp(v, "groups") == 0) return TilingChoice::kGroups;
+    if (v != nullptr && std::strcmp(v, "chunks") == 0) return TilingChoice::kChunks;
     return TilingChoice::kAuto;
   }();
   return c;
 }
 
-inline bool groups_choice(bool can, bool measured) {
+// The tiling of one launch: the forced one where it applies to this launch, else the measured choice.
+inline TilingChoice pick_tiling(TilingChoice measured, bool groups_ok, bool chunks_ok) {
   const TilingChoice c = tiling_choice();
-  return can && (c == TilingChoice::kAuto ? measured : c == TilingChoice::kGroups);
+  const bool ok = c == TilingChoice::kRows || (c == TilingChoice::kGroups && groups_ok) ||
+                  (c == TilingChoice::kChunks && chunks_ok);
+  return ok ? c : measured;
 }
 
-// Swizzled scales in 8-row groups: for up to 1024 rows, where the 32-column tile's extra CTAs cut latency
-// (H200, 2026-11-25: M=1..1024 3-12% faster than the row-block tile). Larger inputs keep the row-block
-// tile: with the grid-wide row order (nvfp4_dense_kernel) neighbouring CTAs write the rows of one scale
-// sector close together in time, and the row-block tile measured faster there (32768 x 2048 / 4096 / 7168:
-// 82.8 / 85.9 / 85.2% of copy against 79.2 / 82.2 / 83.7% in groups; the groups tile had been taken for
-// >= 3x L2 of input, where the slice order left scale sectors half-written for long: 61 -> 82%).
-// The linear layout writes whole sectors either way and keeps the row-block tile.
-inline bool dense_uses_groups(int64_t m_pad, int32_t kb_pad) { return groups_choice(kb_pad >= 32, m_pad <= 1024); }
+// Dense tiling (swizzled or linear scales):
+// - 8-row groups (swizzled, >= 32 block columns) for up to 1024 rows, where the 32-column tile's extra CTAs
+//   cut latency (H200, 2026-11-25: M=1..1024 3-12% faster than the row-block tile);
+// - chunks (many waves of CTAs that each take 8 or 16 consecutive row steps) from four waves of 8-step CTAs
+//   up. A one-wave grid that sweeps its rows in a fixed order falls behind itself on long inputs (CTAs drift
+//   apart, and with them the rows of each 32-byte scale sector); the block scheduler keeps a many-wave grid
+//   in order (H200, 2026-11-25, % of copy, one-wave -> chunks: 32768 x 4096 84.4 -> 85.9, 32768 x 7168
+//   82.4 -> 86.8, 131072 x 4096 84.0 -> 91.0, 262144 x 4096 75.1 -> 92.2, 262144 x 7168 63.8 -> 91.4);
+//   with fewer rows the chunks leave a partial last wave (8192 x 4096: 73.5 -> 67-73);
+// - else the one-wave row-block tile in the grid-wide row order (nvfp4_dense_kernel), which measured faster
+//   than the groups at 8192-32768 rows (the neighbouring CTAs write the rows of one scale sector close
+//   together in time there).
+// `chunk_ctas`: resident CTAs of the whole GPU for the chunks kernel. Returns the tiling and, for chunks,
+// the row steps per CTA.
+inline TilingChoice dense_tiling(bool swizzle, int64_t m_pad, int32_t kb_pad, const Tile& rows_tile,
+                                 uint64_t chunk_ctas, int32_t& steps) {
+  const uint64_t gx = uint64_t((kb_pad + rows_tile.cols - 1) / rows_tile.cols);
+  const uint64_t units = gx * uint64_t((m_pad + rows_tile.rows - 1) / rows_tile.rows);  // CTA row steps
+  steps = units >= 128 * chunk_ctas ? 16 : 8;
+  const bool groups_ok = swizzle && kb_pad >= 32;
+  const TilingChoice measured = groups_ok && m_pad <= 1024       ? TilingChoice::kGroups
+                                : units >= 32 * chunk_ctas ? TilingChoice::kChunks
+                                                           : TilingChoice::kRows;
+  return pick_tiling(measured, groups_ok, true);
+}
 
-// The experts kernel takes the same 8-row groups (over its scale rows) where its input is >= 6x the L2
-// size (H200, E=256, 2026-11-25: 65536 x 4096 / 7168 rows 53 -> 56 / 52 -> 61% of copy, 262144 rows
-// 51-62 -> 66-70%; at 65536 x 2048, 5.4x L2, the row-block kernel kept 66% against 53%). Fewer rows
-// leave most scale rows as per-expert padding, which the row-block kernel's phase 2 zeroes 16 bytes at
-// a time (M=16 tokens: 7.5 us against 32 us in groups).
+// Experts: the chunks kernel (nvfp4_experts_chunks_kernel) where the input is >= 6x the L2 size (H200, E=256,
+// top-8, 2026-11-25, bench_quant % of copy, 8-row groups -> chunks: 8192 tokens x 4096 / 7168 63.0 / 64.9 -> 70.5 /
+// 74.5, 32768 tokens x 2048 / 4096 / 7168 68.7 / 70.5 / 70.8 -> 79.3 / 83.5 / 81.9). Fewer rows leave most scale
+// rows as per-expert padding, which the row-block kernel's phase 2 zeroes 16 bytes at a time (1024 tokens x 4096:
+// 55% against 28% in chunks).
 template <typename T>
-bool experts_uses_groups(int64_t m, int64_t k, int32_t kb_pad) {
+TilingChoice experts_tiling(int64_t m, int64_t k) {
   static const int64_t l2 = l2_cache_bytes();
-  return groups_choice(kb_pad >= 32, m * k * int64_t(sizeof(T)) >= 6 * l2);
+  const bool big = m * k * int64_t(sizeof(T)) >= 6 * l2;
+  return pick_tiling(big ? TilingChoice::kChunks : TilingChoice::kRows, false, true);
 }
 
 // The masked kernel takes the 8-row groups where its input (gate and up: 2 x K values per row) is
@@ -128,13 +152,15 @@ bool experts_uses_groups(int64_t m, int64_t k, int32_t kb_pad) {
 template <typename T>
 bool masked_uses_groups(uint64_t rows, int64_t in_row, int32_t kb_pad) {
   static const int64_t l2 = l2_cache_bytes();
-  return groups_choice(kb_pad >= 32, int64_t(rows) * in_row * int64_t(sizeof(T)) >= 16 * l2);
+  const bool ok = kb_pad >= 32;
+  const bool big = int64_t(rows) * in_row * int64_t(sizeof(T)) >= 16 * l2;
+  return pick_tiling(ok && big ? TilingChoice::kGroups : TilingChoice::kRows, ok, false) == TilingChoice::kGroups;
 }
 
 // Row order: CTA y of the one-wave grid takes the row steps (rows, or 8-row groups) y, y + gridDim.y, ...,
 // so the whole grid sweeps the input front to back together rather than each CTA streaming its own
 // contiguous slice (H200, 2026-11-25: 32768 x 4096 / 7168 rows 81 -> 86 / 85% of copy, 8192 x 2048
-// 66 -> 68.5%; the row-block tile then writes whole scale sectors too, see dense_uses_groups).
+// 66 -> 68.5%; the row-block tile then writes whole scale sectors too, see dense_tiling).
 template <typename T, bool SWIZZLE, bool UE8M0, bool GROUPS>
 __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restrict__ in, const float* __restrict__ gsp,
                                                                uint8_t* __restrict__ out, uint8_t* __restrict__ sf,
@@ -153,7 +179,7 @@ __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restri
   const uint32_t kt = uint32_t(kb_pad) >> 2;
   const uint32_t colpart = swz_col(uint32_t(col));
   if constexpr (GROUPS) {
-    // Row groups (dense_uses_groups; tile = 32 columns x 8 rows): warp ty of a CTA step quantizes one row of
+    // Row groups (dense_tiling; tile = 32 columns x 8 rows): warp ty of a CTA step quantizes one row of
     // an 8-row group, rows 2s, 2s+1, 2s+32, 2s+33, 2s+64, 2s+65, 2s+96, 2s+97 of a 128-row tile, whose scale
     // bytes of 4 consecutive columns fill one 32-byte sector, written whole within one step. m_pad is a
     // multiple of 128: every group row exists.
@@ -188,6 +214,51 @@ __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restri
     for (; r < uint32_t(m); r += rstep, p += step_in, q += step_out) store_sf(r, quant_block_at<T, UE8M0>(p, q, gs, os));
   }
   for (; r < uint32_t(m_pad); r += rstep) store_sf(r, 0);  // padding rows and padding columns of the swizzled layout
+}
+
+// Dense in chunks (dense_tiling): CTA y of a many-wave grid takes the `steps` consecutive row steps from
+// y * steps, so the block scheduler keeps the sweep over the input in order. The CTA's first block is loaded
+// before the out_scale table is built. Built for 6 resident CTAs per SM with 16-bit inputs and e4m3 scales (40
+// registers, measured faster than 48); UE8M0 scales and fp32 inputs would spill there and take no bound.
+template <typename T, bool SWIZZLE, bool UE8M0>
+__global__ void __launch_bounds__(kThreads, kIs16Bit<T> && !UE8M0 ? 6 : 1)
+    nvfp4_dense_chunks_kernel(const T* __restrict__ in, const float* __restrict__ gsp, uint8_t* __restrict__ out,
+                              uint8_t* __restrict__ sf, int32_t m, int32_t m_pad, int32_t k, int32_t kb,
+                              int32_t kb_pad, Tile tile, int32_t steps) {
+  __shared__ float table[256];
+  const int32_t ty = int32_t(threadIdx.x) / tile.cols;
+  const int32_t col = int32_t(blockIdx.x) * tile.cols + (int32_t(threadIdx.x) - ty * tile.cols);
+  const bool active = ty < tile.rows && col < kb_pad;  // the CTA has kThreads threads, the tile may use fewer
+  const uint32_t r_begin = blockIdx.y * uint32_t(steps) * uint32_t(tile.rows);
+  const uint32_t r_end = min(uint32_t(m_pad), r_begin + uint32_t(steps) * uint32_t(tile.rows));
+  const uint32_t r0 = r_begin + uint32_t(ty);
+  const T* p = in + int64_t(r0) * k + col * 16;
+  uint4 c[kChunksPerBlock16<T>];
+  if (active && col < kb && r0 < uint32_t(m)) load_block16<T>(p, c);
+  const float gs = __ldg(gsp);
+  const float inv_gs = rcp_or_zero(gs);
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) table[b] = nvfp4_out_scale<UE8M0>(uint8_t(b), inv_gs);
+  __syncthreads();
+  if (!active) return;
+  const OutScaleTable os{table};
+  const uint32_t kt = uint32_t(kb_pad) >> 2;
+  const uint32_t colpart = swz_col(uint32_t(col));
+  uint8_t* q = out + int64_t(r0) * (k / 2) + col * 8;
+  const int64_t step_in = int64_t(tile.rows) * k, step_out = int64_t(tile.rows) * (k / 2);
+  for (uint32_t r = r0; r < r_end; r += tile.rows, p += step_in, q += step_out) {
+    uint8_t s = 0;
+    if (r < uint32_t(m) && col < kb) {
+      if (r != r0) load_block16<T>(p, c);
+      uint32_t lo, hi;
+      s = nvfp4_quant_block16<T, UE8M0>(c, gs, os, lo, hi);
+      st8(q, make_uint2(lo, hi));
+    }
+    if (SWIZZLE) {
+      sf[swz_row(r, kt) + colpart] = s;
+    } else {
+      sf[int64_t(r) * kb + col] = s;
+    }
+  }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -314,114 +385,136 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Grouped by expert, in 8-row groups of the scale rows (experts_uses_groups): the dense GROUPS tiling
-// applied to the scale-row space [0, sf_rows). A CTA step quantizes 32 block columns x one 8-row group
-// (rows 2s, 2s+1, 2s+32, ... of a 128-row scale tile), so each 4-column scale sector is written whole
-// within one step. Every 128-row scale tile belongs to one expert (blockscale offsets are multiples of
-// 128): scale row r of expert e is input row eo[e] + (r - bo[e]) while that is below eo[e+1], else a
-// padding row (zero scale); rows outside [bo[0], bo[E]) are zero too. The scale tiles past bo[E] are
-// zeroed in bulk after the loop, and input rows that no expert owns get zero codes in a short last loop.
+// Zero the scale rows [a, b) (every column, 4 bytes per store) with all threads of the grid. kt: 4-column
+// groups per row (scale tensors stay below 2**31 bytes, so the units fit the fast division).
+__device__ __forceinline__ void zero_scale_rows(uint8_t* __restrict__ sf, int32_t a, int32_t b, const FastDiv& kt) {
+  if (a >= b) return;
+  const uint32_t units = uint32_t(b - a) * kt.d;
+  const uint32_t nthreads = gridDim.x * gridDim.y * blockDim.x;
+  for (uint32_t u = flat_cta() * blockDim.x + threadIdx.x; u < units; u += nthreads) {
+    const uint32_t rr = fdiv(kt, u);
+    *reinterpret_cast<uint32_t*>(sf + swz_row(uint32_t(a) + rr, kt.d) + (u - rr * kt.d) * 512u) = 0u;
+  }
+}
+
+// Smallest e in [0, n) with a[e + 1] > v (n if none), for a non-decreasing a[1..n].
+__device__ __forceinline__ int first_end_above(const int32_t* a, int n, int64_t v) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (int64_t(a[mid + 1]) > v) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return lo;
+}
+
+// Grouped by expert, in chunks (experts_tiling): nvfp4_dense_chunks_kernel's order over the input rows. CTA y takes
+// `steps` consecutive row steps from row y * steps * tile.rows, so the many-wave grid sweeps the input in
+// order and each CTA meets one or two experts. A row r of expert e writes its scales at scale row
+// bo[e] + (r - eo[e]). Per CTA: the offsets are staged in shared memory, and the out_scale tables of the
+// experts of its rows are built once (more than kMaxOutTabs experts: out_scale per block). The CTA that
+// holds an expert's last row (clamped to [0, m)) zeroes that expert's padding scale rows
+// [bo[e] + rows, bo[e+1]) in its columns, right after the expert's last scale sector was written; the scale
+// rows before bo[0] and from bo[E] are zeroed by the whole grid; rows of no expert get zero codes.
+// Built for 5 resident CTAs per SM with 16-bit inputs (48 registers; bf16 measured 47-53% of copy at 64
+// registers against 65-78% at 48, 65536-262144 rows; fp16 spills 16 bytes there).
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    nvfp4_experts_groups_kernel(const T* __restrict__ in, const float* __restrict__ gsp,
+__global__ void __launch_bounds__(kThreads, kIs16Bit<T> ? 5 : 1)
+    nvfp4_experts_chunks_kernel(const T* __restrict__ in, const float* __restrict__ gsp,
                                 const int32_t* __restrict__ eo_g, const int32_t* __restrict__ bo_g,
                                 uint8_t* __restrict__ out, uint8_t* __restrict__ sf, int32_t m, int32_t k, int32_t kb,
-                                int32_t kb_pad, int num_experts, int32_t sf_rows) {
+                                int32_t kb_pad, int num_experts, int32_t sf_rows, Tile tile, int32_t steps,
+                                FastDiv kt_div) {
   extern __shared__ int32_t smem[];
   int32_t* eo = smem;
   int32_t* bo = smem + num_experts + 1;
+  float* otab = reinterpret_cast<float*>(smem + 2 * (num_experts + 1));  // [kMaxOutTabs][256]
+  const int32_t ty = int32_t(threadIdx.x) / tile.cols;
+  const int32_t col = int32_t(blockIdx.x) * tile.cols + (int32_t(threadIdx.x) - ty * tile.cols);
+  const bool active = ty < tile.rows && col < kb_pad;  // the CTA has kThreads threads, the tile may use fewer
+  const int32_t R0 = int32_t(blockIdx.y) * steps * tile.rows;
+  const int32_t R1 = min(m, R0 + steps * tile.rows);
+  const int32_t r0 = R0 + ty;
+  uint4 c[kChunksPerBlock16<T>];
+  if (active && col < kb && r0 < R1) load_block16<T>(in + int64_t(r0) * k + col * 16, c);  // before the setup
   stage_to_smem(eo, eo_g, num_experts + 1);
   stage_to_smem(bo, bo_g, num_experts + 1);
   __syncthreads();
-  const int32_t b_first = bo[0], b_last = bo[num_experts];
-  const int32_t ty = int32_t(threadIdx.x) >> 5;  // tile: 32 block columns x kDenseGroupRows rows
-  const int32_t col = int32_t(blockIdx.x) * 32 + (int32_t(threadIdx.x) & 31);
+  const int32_t first = eo[0], last = eo[num_experts];
+  int e_first = 0, n_tab = 0;  // CTA-uniform
   {
-    __shared__ float os_table[256];
-    ExpertOutScales os{os_table, -1};
-    const uint32_t kt = uint32_t(kb_pad) >> 2;
+    const int32_t a = max(R0, first), b = min(R1, last);
+    if (a < b) {
+      e_first = find_segment(eo, num_experts, a);
+      n_tab = find_segment(eo, num_experts, b - 1) - e_first + 1;
+      if (n_tab > kMaxOutTabs) n_tab = 0;
+    }
+  }
+  for (int i = threadIdx.x; i < n_tab * 256; i += blockDim.x) {
+    otab[i] = nvfp4_out_scale<false>(uint8_t(i & 255), rcp_or_zero(__ldg(gsp + e_first + (i >> 8))));
+  }
+  __syncthreads();
+  const uint32_t kt = uint32_t(kb_pad) >> 2;
+  if (active) {
     const uint32_t colpart = swz_col(uint32_t(col));
-    // CTA y takes the 128-row scale tiles y, y + gridDim.y, ... and the 16 groups of each in order: the
-    // grid sweeps the rows together (as nvfp4_dense_kernel does) and the expert changes at most once per tile.
-    const uint32_t n_tiles = uint32_t(sf_rows) / 128u;
-    const auto next_grp = [&](uint32_t grp) {
-      return (grp & 15u) != 15u ? grp + 1 : grp + 1 + 16u * (gridDim.y - 1);
-    };
-    const uint32_t grp_begin = 16u * blockIdx.y, grp_end = 16u * n_tiles;
-    const uint32_t sub = group_sub(ty);
-    int32_t lo = 0, hi = 0, base = 0, cnt = 0, e = -1;  // cached expert: scale rows [lo, hi) <- input rows base + [0, cnt)
-    float gs = 0.0f;
-    const auto move_to = [&](int32_t r) {  // the expert of scale row r, in [bo[0], bo[E])
-      e = find_segment(bo, num_experts, r);
-      lo = bo[e];
-      hi = bo[e + 1];
-      base = eo[e];
-      cnt = eo[e + 1] - base;
-      gs = __ldg(gsp + e);
-    };
-    // Blockscale offsets are documented as multiples of 128 (each 128-row tile then has one expert, the
-    // out_scale table is per tile). Offsets that are not (nothing checks them without a host sync) take
-    // a per-row expert lookup with the out_scale computed per block: the same bytes, slower.
-    bool ok = true;
-    for (int i = threadIdx.x; i <= num_experts; i += blockDim.x) ok = ok && (bo[i] & 127) == 0;
-    const bool aligned = __syncthreads_and(ok) != 0;
-    if (aligned) {
-      for (uint32_t grp = grp_begin; grp < grp_end; grp = next_grp(grp)) {  // the same steps in every thread
-        const int32_t tile_row = int32_t(128u * (grp >> 4));  // the step's rows lie in this 128-row tile
-        if (int64_t(tile_row) >= int64_t(b_last)) break;     // the tail tiles: zeroed in bulk below
-        const bool owned = tile_row >= b_first;               // tiles of [bo[0], bo[E]) belong to one expert
-        if (owned && (tile_row < lo || tile_row >= hi)) {
-          move_to(tile_row);
-          os.use(e, rcp_or_zero(gs));
-        }
-        if (col >= kb_pad) continue;
-        const int32_t r = tile_row + int32_t(group_row_in_tile(grp, sub));
-        const int32_t row = base + (r - lo);
-        uint8_t s = 0;
-        if (owned && col < kb && r - lo < cnt && row >= 0 && row < m) {
-          s = quant_block_at<T, false>(in + int64_t(row) * k + col * 16, out + int64_t(row) * (k / 2) + col * 8, gs,
-                                       OutScaleTable{os_table});
-        }
-        sf[swz_row(uint32_t(r), kt) + colpart] = s;
+    const T* p = in + int64_t(r0) * k + col * 16;
+    uint8_t* q = out + int64_t(r0) * (k / 2) + col * 8;
+    const int64_t step_in = int64_t(tile.rows) * k, step_out = int64_t(tile.rows) * (k / 2);
+    int32_t r = r0;
+    for (const int32_t z = min(R1, first); r < z; r += tile.rows, p += step_in, q += step_out) {
+      if (col < kb) st8(q, make_uint2(0, 0));  // rows before the first expert
+    }
+    // One run of rows per expert, each a loop like the dense kernel's (the expert's global scale, out_scale
+    // table and scale-row offset fixed): rows ascend, so a search for the first expert, then a linear advance.
+    int e = -1;
+    const int32_t r_last = min(R1, last);
+    while (r < r_last) {
+      if (e < 0) {
+        e = find_segment(eo, num_experts, r);
+      } else {
+        do ++e;
+        while (eo[e + 1] <= r);
       }
-    } else {
-      for (uint32_t grp = grp_begin; grp < grp_end && col < kb_pad; grp = next_grp(grp)) {
-        const int32_t tile_row = int32_t(128u * (grp >> 4));
-        if (int64_t(tile_row) >= int64_t(b_last)) break;
-        const int32_t r = tile_row + int32_t(group_row_in_tile(grp, sub));
-        uint8_t s = 0;
-        if (r >= b_first && r < b_last && col < kb) {
-          if (r < lo || r >= hi) move_to(r);
-          const int32_t row = base + (r - lo);
-          if (r - lo < cnt && row >= 0 && row < m) {
-            s = quant_block_at<T, false>(in + int64_t(row) * k + col * 16, out + int64_t(row) * (k / 2) + col * 8,
-                                         gs, OutScaleDirect<false>{rcp_or_zero(gs)});
+      const int32_t run_end = min(eo[e + 1], r_last);
+      const int32_t to_scale_row = bo[e] - eo[e];
+      const float gs = __ldg(gsp + e);
+      const auto run = [&](const auto& os) {
+        for (; r < run_end; r += tile.rows, p += step_in, q += step_out) {
+          uint8_t sc = 0;
+          if (col < kb) {
+            if (r != r0) load_block16<T>(p, c);
+            uint32_t qlo, qhi;
+            sc = nvfp4_quant_block16<T, false>(c, gs, os, qlo, qhi);
+            st8(q, make_uint2(qlo, qhi));
           }
+          const int32_t srow = r + to_scale_row;
+          if (uint32_t(srow) < uint32_t(sf_rows)) sf[swz_row(uint32_t(srow), kt) + colpart] = sc;
         }
-        sf[swz_row(uint32_t(r), kt) + colpart] = s;
+      };
+      if (n_tab > 0) {
+        run(OutScaleTable{otab + (e - e_first) * 256});
+      } else {
+        run(OutScaleDirect<false>{rcp_or_zero(gs)});
       }
     }
-  }
-  // 128-row scale tiles from the first one past bo[E] to sf_rows: contiguous bytes, zeroed 16 at a time
-  const uint32_t tile_bytes = (uint32_t(kb_pad) >> 2) * 512u;
-  const uint32_t tail_tile = uint32_t(min(max((b_last + 127) / 128, 0), sf_rows / 128));
-  const uint32_t tail_chunks = (uint32_t(sf_rows / 128) - tail_tile) * (tile_bytes / 16u);
-  if (tail_chunks > 0) {
-    uint4* tail = reinterpret_cast<uint4*>(sf + size_t(tail_tile) * tile_bytes);
-    const Slice ts = cta_slice(tail_chunks);
-    for (uint32_t i = ts.begin + threadIdx.x; i < ts.end; i += blockDim.x) tail[i] = make_uint4(0, 0, 0, 0);
-  }
-  // input rows that no expert owns (before eo[0], from eo[E]): zero codes
-  const int32_t first = min(max(eo[0], 0), m), last = min(max(eo[num_experts], first), m);
-  const uint32_t outside = uint32_t(first) + uint32_t(m - last);
-  if (outside > 0) {
-    const Slice zs = cta_slice(outside * uint32_t(kb));
-    for (uint32_t i = zs.begin + threadIdx.x; i < zs.end; i += blockDim.x) {
-      const uint32_t ro = i / uint32_t(kb), c = i - ro * uint32_t(kb);
-      const int32_t row = ro < uint32_t(first) ? int32_t(ro) : last + int32_t(ro - uint32_t(first));
-      st8(out + int64_t(row) * (k / 2) + int64_t(c) * 8, make_uint2(0, 0));
+    for (; r < R1; r += tile.rows, p += step_in, q += step_out) {
+      if (col < kb) st8(q, make_uint2(0, 0));  // rows from the last expert's end
+    }
+    // the padding scale rows of the experts whose last row (clamped to [0, m)) lies in [R0, R1), and those of
+    // rows past m that an offset names
+    const int ea = R0 == 0 ? 0 : first_end_above(eo, num_experts, R0);
+    const int eb = R1 >= m ? num_experts : first_end_above(eo, num_experts, R1);
+    for (int x = ea; x < eb; ++x) {
+      const int32_t written = max(min(eo[x + 1], m) - eo[x], 0);  // scale rows of the expert's rows below m
+      const int32_t pa = max(bo[x] + written, 0), pb = min(bo[x + 1], sf_rows);
+      for (int32_t sr = pa + ty; sr < pb; sr += tile.rows) sf[swz_row(uint32_t(sr), kt) + colpart] = 0;
     }
   }
+  zero_scale_rows(sf, 0, min(max(bo[0], 0), sf_rows), kt_div);
+  zero_scale_rows(sf, max(bo[num_experts], 0), sf_rows, kt_div);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -801,12 +894,26 @@ cudaError_t launch_dense(const void* input, const float* gs, uint8_t* out, uint8
   const int32_t kb_pad = SWIZZLE ? (kb + 3) / 4 * 4 : kb;
   const int64_t m_pad = SWIZZLE ? (m + 127) / 128 * 128 : m;
   if (uint64_t(m_pad) * uint64_t(kb_pad) > kMaxUnits) return cudaErrorInvalidValue;
-  auto kernel = nvfp4_dense_kernel<T, SWIZZLE, UE8M0, false>;
-  static const int per_sm_rows = resident_ctas(kernel);
+  auto stride = nvfp4_dense_kernel<T, SWIZZLE, UE8M0, false>;
+  auto chunks = nvfp4_dense_chunks_kernel<T, SWIZZLE, UE8M0>;
+  static const int per_sm_stride = resident_ctas(stride);
+  static const int per_sm_chunks = resident_ctas(chunks);
   Tile tile = make_tile(kb_pad);
-  int per_sm = per_sm_rows;
+  int32_t steps = 0;
+  const TilingChoice tiling = dense_tiling(SWIZZLE, m_pad, kb_pad, tile, gpu_ctas(num_sms, per_sm_chunks), steps);
+  const T* in = static_cast<const T*>(input);
+  if (tiling == TilingChoice::kChunks) {
+    const uint64_t row_steps = uint64_t((m_pad + tile.rows - 1) / tile.rows);
+    while ((row_steps + steps - 1) / steps > 65535) steps *= 2;
+    const dim3 grid(uint32_t((kb_pad + tile.cols - 1) / tile.cols), uint32_t((row_steps + steps - 1) / steps));
+    chunks<<<grid, tile_threads(tile), 0, stream>>>(in, gs, out, sf, int32_t(m), int32_t(m_pad), int32_t(k), kb,
+                                                    kb_pad, tile, steps);
+    return cudaGetLastError();
+  }
+  auto kernel = stride;
+  int per_sm = per_sm_stride;
   if constexpr (SWIZZLE) {
-    if (dense_uses_groups(m_pad, kb_pad)) {
+    if (tiling == TilingChoice::kGroups) {
       kernel = nvfp4_dense_kernel<T, true, UE8M0, true>;
       static const int per_sm_groups = resident_ctas(kernel);
       tile = Tile{32, kDenseGroupRows};
@@ -814,8 +921,8 @@ cudaError_t launch_dense(const void* input, const float* gs, uint8_t* out, uint8
     }
   }
   const dim3 grid = tile_grid(tile, kb_pad, uint64_t(m_pad), 0, num_sms, per_sm);
-  kernel<<<grid, tile_threads(tile), 0, stream>>>(static_cast<const T*>(input), gs, out, sf, int32_t(m),
-                                                      int32_t(m_pad), int32_t(k), kb, kb_pad, tile);
+  kernel<<<grid, tile_threads(tile), 0, stream>>>(in, gs, out, sf, int32_t(m), int32_t(m_pad), int32_t(k), kb, kb_pad,
+                                                  tile);
   return cudaGetLastError();
 }
 
@@ -856,18 +963,22 @@ cudaError_t launch_experts(const void* input, const float* gs, const int32_t* eo
   // out_scale tables when a thread has several rows to amortize the table build over
   const int use_tabs = uint64_t(m) >= uint64_t(4) * uint64_t(tile0.rows) * (gpu_ctas(num_sms, 4) / uint64_t((kb + tile0.cols - 1) / tile0.cols)) ? 1 : 0;
   const size_t smem = size_t(2) * (num_experts + 1) * sizeof(int32_t) + (use_tabs ? kMaxOutTabs * 256 * sizeof(float) : 0);
-  if (experts_uses_groups<T>(m, k, kb_pad)) {
-    const size_t gsmem = size_t(2) * (num_experts + 1) * sizeof(int32_t);
-    auto gkernel = nvfp4_experts_groups_kernel<T>;
-    const cudaError_t err = allow_smem(gkernel, gsmem);
+  if (experts_tiling<T>(m, k) == TilingChoice::kChunks) {
+    auto ckernel = nvfp4_experts_chunks_kernel<T>;
+    const size_t csmem = size_t(2) * (num_experts + 1) * sizeof(int32_t) + kMaxOutTabs * 256 * sizeof(float);
+    const cudaError_t err = allow_smem(ckernel, csmem);
     if (err != cudaSuccess) return err;
-    static const int per_sm_groups = resident_ctas(gkernel, 2048 * sizeof(int32_t));
-    const Tile gtile{32, kDenseGroupRows};
-    // CTA rows take whole 128-row scale tiles: at most one per tile (grid.y <= sf_rows / 128)
-    const dim3 grid = tile_grid(gtile, kb_pad, uint64_t(sf_rows / 128) * kDenseGroupRows, 0, num_sms, per_sm_groups);
-    gkernel<<<grid, tile_threads(gtile), gsmem, stream>>>(static_cast<const T*>(input), gs, eo, bo, out, sf,
+    const Tile ctile = make_tile(kb_pad);
+    // 32 rows per CTA (H200, 2026-11-25, % of copy: 65536 x 4096 8 / 16 / 32 rows 61.5 / 66.1 / 67.3, 64 rows
+    // 57.0; 65536 x 2048, two rows per step: 16 / 32 steps 66.5 / 61.9)
+    const int64_t row_steps = (m + ctile.rows - 1) / ctile.rows;
+    int32_t steps = (32 + ctile.rows - 1) / ctile.rows;
+    while ((row_steps + steps - 1) / steps > 65535) steps *= 2;
+    const dim3 grid(uint32_t((kb_pad + ctile.cols - 1) / ctile.cols), uint32_t((row_steps + steps - 1) / steps));
+    ckernel<<<grid, tile_threads(ctile), csmem, stream>>>(static_cast<const T*>(input), gs, eo, bo, out, sf,
                                                           int32_t(m), int32_t(k), kb, kb_pad, num_experts,
-                                                          int32_t(sf_rows));
+                                                          int32_t(sf_rows), ctile, steps,
+                                                          make_fastdiv(uint32_t(kb_pad / 4)));
     return cudaGetLastError();
   }
   auto kernel = nvfp4_experts_kernel<T>;
