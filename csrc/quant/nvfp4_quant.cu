@@ -133,15 +133,15 @@ inline TilingChoice dense_tiling(bool swizzle, int64_t m_pad, int32_t kb_pad, co
   return pick_tiling(measured, groups_ok, true);
 }
 
-// Experts: the chunks kernel (nvfp4_experts_chunks_kernel) where the input is >= 6x the L2 size (H200, E=256,
+// Experts: the chunks kernel (nvfp4_experts_chunks_kernel) where the input is >= 4x the L2 size (H200, E=256,
 // top-8, 2026-11-25, bench_quant % of copy, 8-row groups -> chunks: 8192 tokens x 4096 / 7168 63.0 / 64.9 -> 70.5 /
-// 74.5, 32768 tokens x 2048 / 4096 / 7168 68.7 / 70.5 / 70.8 -> 79.3 / 83.5 / 81.9). Fewer rows leave most scale
-// rows as per-expert padding, which the row-block kernel's phase 2 zeroes 16 bytes at a time (1024 tokens x 4096:
-// 55% against 28% in chunks).
+// 74.5, 32768 tokens x 2048 / 4096 / 7168 68.7 / 70.5 / 70.8 -> 79.3 / 83.5 / 81.9; 8192 tokens x 2048, 4.3x L2,
+// row-block kernel 67.7 -> chunks 69.5-69.8 in one hold). Fewer rows leave most scale rows as per-expert padding,
+// which the row-block kernel's phase 2 zeroes 16 bytes at a time (1024 tokens x 4096: 55% against 28% in chunks).
 template <typename T>
 TilingChoice experts_tiling(int64_t m, int64_t k) {
   static const int64_t l2 = l2_cache_bytes();
-  const bool big = m * k * int64_t(sizeof(T)) >= 6 * l2;
+  const bool big = m * k * int64_t(sizeof(T)) >= 4 * l2;
   return pick_tiling(big ? TilingChoice::kChunks : TilingChoice::kRows, false, true);
 }
 
