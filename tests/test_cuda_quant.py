@@ -114,7 +114,7 @@ def test_scaled_fp4_quant_degenerate_global_scales(cuda_ops, gs, scale_format):
 
 def _row_group_rows(k: int, elem: int, l2_times: int = 3) -> int:
     """A row count (not a multiple of 128) whose input is past an ``l2_times`` x L2 threshold of csrc
-    (experts_tiling: 6, masked_uses_groups: 16; dense: 3, many row steps per CTA)."""
+    (experts_tiling: 4, masked_uses_groups: 16; dense: 3, many row steps per CTA)."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size or 50 << 20
     return (l2_times * l2) // (k * elem) + 128 + 37
 
