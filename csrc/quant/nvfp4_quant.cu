@@ -956,7 +956,9 @@ cudaError_t launch_experts(const void* input, const float* gs, const int32_t* eo
   const int32_t kb = int32_t(k / 16);
   const int32_t kb_pad = (kb + 3) / 4 * 4;
   const uint64_t chunks = uint64_t(sf_rows) * uint64_t(kb_pad) / 16;
-  if (uint64_t(m) * uint64_t(kb) > kMaxUnits || chunks > kMaxUnits || sf_rows % 128 != 0) {
+  // scale tensors below 2**31 bytes: 32-bit swizzled offsets and zero_scale_rows' fast division
+  if (uint64_t(m) * uint64_t(kb) > kMaxUnits || uint64_t(sf_rows) * uint64_t(kb_pad) > kMaxUnits ||
+      sf_rows % 128 != 0) {
     return cudaErrorInvalidValue;
   }
   const Tile tile0 = make_tile(kb);
