@@ -220,6 +220,8 @@ __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restri
 // y * steps, so the block scheduler keeps the sweep over the input in order. The CTA's first block is loaded
 // before the out_scale table is built. Built for 6 resident CTAs per SM with 16-bit inputs and e4m3 scales (40
 // registers, measured faster than 48); UE8M0 scales and fp32 inputs would spill there and take no bound.
+// A kernel of its own: folded into nvfp4_dense_kernel as a third row order, it took that kernel's one-wave
+// paths from 47-48 to 60-72 registers.
 template <typename T, bool SWIZZLE, bool UE8M0>
 __global__ void __launch_bounds__(kThreads, kIs16Bit<T> && !UE8M0 ? 6 : 1)
     nvfp4_dense_chunks_kernel(const T* __restrict__ in, const float* __restrict__ gsp, uint8_t* __restrict__ out,
@@ -269,6 +271,25 @@ __global__ void __launch_bounds__(kThreads, kIs16Bit<T> && !UE8M0 ? 6 : 1)
 // ------------------------------------------------------------------------------------------------
 constexpr int kMaxOutTabs = 8;  // per-CTA out_scale tables (one per expert of the CTA's row slice)
 
+// The out_scale tables of the experts that own rows [a, b) of a CTA, one 256-entry table per expert from
+// e_first (CTA-uniform; every thread must call it; no barrier). Returns the number of tables, 0 when the rows
+// span more than kMaxOutTabs experts (the caller then computes out_scale per block) or none.
+__device__ __forceinline__ int build_expert_out_tables(const int32_t* eo, int num_experts,
+                                                       const float* __restrict__ gsp, int32_t a, int32_t b,
+                                                       float* otab, int& e_first) {
+  int n_tab = 0;
+  e_first = 0;
+  if (a < b) {
+    e_first = find_segment(eo, num_experts, a);
+    n_tab = find_segment(eo, num_experts, b - 1) - e_first + 1;
+    if (n_tab > kMaxOutTabs) n_tab = 0;
+  }
+  for (int i = threadIdx.x; i < n_tab * 256; i += blockDim.x) {
+    otab[i] = nvfp4_out_scale<false>(uint8_t(i & 255), rcp_or_zero(__ldg(gsp + e_first + (i >> 8))));
+  }
+  return n_tab;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     nvfp4_experts_kernel(const T* __restrict__ in, const float* __restrict__ gsp, const int32_t* __restrict__ eo_g,
@@ -290,15 +311,8 @@ __global__ void __launch_bounds__(kThreads)
   // the per-block correctly rounded reciprocal becomes one shared-memory load.
   int e_first = 0, n_tab = 0;
   if (use_tabs) {
-    const int32_t r0 = max(int32_t(rs.begin), first), r1 = min(int32_t(rs.end), last);
-    if (r0 < r1) {
-      e_first = find_segment(eo, num_experts, r0);
-      n_tab = find_segment(eo, num_experts, r1 - 1) - e_first + 1;
-      if (n_tab > kMaxOutTabs) n_tab = 0;
-    }
-    for (int i = threadIdx.x; i < n_tab * 256; i += blockDim.x) {
-      otab[i] = nvfp4_out_scale<false>(uint8_t(i & 255), rcp_or_zero(__ldg(gsp + e_first + (i >> 8))));
-    }
+    n_tab = build_expert_out_tables(eo, num_experts, gsp, max(int32_t(rs.begin), first),
+                                    min(int32_t(rs.end), last), otab, e_first);
     if (n_tab > 0) __syncthreads();
   }
 
@@ -444,18 +458,8 @@ __global__ void __launch_bounds__(kThreads, kIs16Bit<T> ? 5 : 1)
   stage_to_smem(bo, bo_g, num_experts + 1);
   __syncthreads();
   const int32_t first = eo[0], last = eo[num_experts];
-  int e_first = 0, n_tab = 0;  // CTA-uniform
-  {
-    const int32_t a = max(R0, first), b = min(R1, last);
-    if (a < b) {
-      e_first = find_segment(eo, num_experts, a);
-      n_tab = find_segment(eo, num_experts, b - 1) - e_first + 1;
-      if (n_tab > kMaxOutTabs) n_tab = 0;
-    }
-  }
-  for (int i = threadIdx.x; i < n_tab * 256; i += blockDim.x) {
-    otab[i] = nvfp4_out_scale<false>(uint8_t(i & 255), rcp_or_zero(__ldg(gsp + e_first + (i >> 8))));
-  }
+  int e_first = 0;
+  const int n_tab = build_expert_out_tables(eo, num_experts, gsp, max(R0, first), min(R1, last), otab, e_first);
   __syncthreads();
   const uint32_t kt = uint32_t(kb_pad) >> 2;
   if (active) {
