@@ -215,6 +215,14 @@ inline dim3 tile_grid(const Tile& t, int32_t kb_cols, uint64_t rows, uint64_t ex
   return dim3(uint32_t(gx), uint32_t(gy > 65535 ? 65535 : gy), 1);
 }
 
+// Grid of a chunks kernel (CTA y takes `steps` consecutive row steps of `t.rows` rows from y * steps; many
+// waves): x = column tiles, y = row-step runs. `steps` is doubled until grid.y fits its 65535 limit.
+inline dim3 chunk_grid(const Tile& t, int32_t cols, uint64_t rows, int32_t& steps) {
+  const uint64_t row_steps = (rows + uint64_t(t.rows) - 1) / uint64_t(t.rows);
+  while ((row_steps + steps - 1) / steps > 65535) steps *= 2;
+  return dim3(uint32_t((cols + t.cols - 1) / t.cols), uint32_t((row_steps + steps - 1) / steps));
+}
+
 // Instantiate a launcher for the activation dtype named by a host-side ActDType.
 #define NVQ_DISPATCH_ACT(dt, T, ...) \
   switch (dt) {                      \

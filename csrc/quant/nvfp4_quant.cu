@@ -907,9 +907,7 @@ cudaError_t launch_dense(const void* input, const float* gs, uint8_t* out, uint8
   const TilingChoice tiling = dense_tiling(SWIZZLE, m_pad, kb_pad, tile, gpu_ctas(num_sms, per_sm_chunks), steps);
   const T* in = static_cast<const T*>(input);
   if (tiling == TilingChoice::kChunks) {
-    const uint64_t row_steps = uint64_t((m_pad + tile.rows - 1) / tile.rows);
-    while ((row_steps + steps - 1) / steps > 65535) steps *= 2;
-    const dim3 grid(uint32_t((kb_pad + tile.cols - 1) / tile.cols), uint32_t((row_steps + steps - 1) / steps));
+    const dim3 grid = chunk_grid(tile, kb_pad, uint64_t(m_pad), steps);
     chunks<<<grid, tile_threads(tile), 0, stream>>>(in, gs, out, sf, int32_t(m), int32_t(m_pad), int32_t(k), kb,
                                                     kb_pad, tile, steps);
     return cudaGetLastError();
@@ -977,10 +975,8 @@ cudaError_t launch_experts(const void* input, const float* gs, const int32_t* eo
     const Tile ctile = make_tile(kb_pad);
     // 32 rows per CTA (H200, 2026-11-25, % of copy: 65536 x 4096 8 / 16 / 32 rows 61.5 / 66.1 / 67.3, 64 rows
     // 57.0; 65536 x 2048, two rows per step: 16 / 32 steps 66.5 / 61.9)
-    const int64_t row_steps = (m + ctile.rows - 1) / ctile.rows;
     int32_t steps = (32 + ctile.rows - 1) / ctile.rows;
-    while ((row_steps + steps - 1) / steps > 65535) steps *= 2;
-    const dim3 grid(uint32_t((kb_pad + ctile.cols - 1) / ctile.cols), uint32_t((row_steps + steps - 1) / steps));
+    const dim3 grid = chunk_grid(ctile, kb_pad, uint64_t(m), steps);
     ckernel<<<grid, tile_threads(ctile), csmem, stream>>>(static_cast<const T*>(input), gs, eo, bo, out, sf,
                                                           int32_t(m), int32_t(k), kb, kb_pad, num_experts,
                                                           int32_t(sf_rows), ctile, steps,
