@@ -3,6 +3,7 @@ and the peers' kernels (sgl-kernel, vLLM) when they import, all in one process.
 
     python3 benchmarks/bench_quant.py --out benchmarks/results            (about 2 minutes on an H200)
     python3 benchmarks/bench_quant.py --quick                            (fewer shapes)
+    python3 benchmarks/bench_quant.py --ops nvfp4_dense --m-sizes 8192 32768 --k-sizes 4096   (chosen shapes)
 
 Effective bandwidth = (bytes read + bytes written by the op, counted once) / kernel time. Inputs
 rotate over enough copies that each replay reads more than 2 x 60 MB (beyond L2). Times come from
@@ -214,14 +215,16 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--quick", action="store_true", help="M in {1, 128, 8192}, K in {4096, 7168}")
     ap.add_argument("--ops", nargs="*", default=list(OPS), choices=OPS)
+    ap.add_argument("--m-sizes", type=int, nargs="+", help=f"M values (default {M_SIZES}; --quick: 1 128 8192)")
+    ap.add_argument("--k-sizes", type=int, nargs="+", help=f"K values (default {K_SIZES}; --quick: 4096 7168)")
     ap.add_argument("--no-reference", action="store_true")
     args = ap.parse_args()
     why = _ext.extension_runs_on(torch.device("cuda"))
     if why is not None:
         print(f"nvfp4_plugin._C does not run here: {why}")
         return 1
-    m_sizes = (1, 128, 8192) if args.quick else M_SIZES
-    k_sizes = (4096, 7168) if args.quick else K_SIZES
+    m_sizes = args.m_sizes or ((1, 128, 8192) if args.quick else M_SIZES)
+    k_sizes = args.k_sizes or ((4096, 7168) if args.quick else K_SIZES)
     loaded = load_peers()
     peers = loaded["peers"]
     copy_bw = copy_bandwidth()
