@@ -12,11 +12,12 @@ of a missed target: DRAM near peak means the kernel is bandwidth-bound (more byt
 necessary, or a low ceiling); low DRAM with high issue means it is instruction-bound; low both
 with long-scoreboard stalls means too few bytes are in flight (latency-bound).
 
-Cases are ``gemm:N:K:M`` (dense FP4-weight GEMM, selected config, ``gemm:N:K:M:ss`` for the
+Cases are ``gemm:N:K:M`` (dense FP4-weight GEMM, selected config; ``moe:MODEL:PROJ:TOKENS`` the grouped GEMM of a
+``bench_gemm.py`` MoE projection, e.g. ``moe:qwen3-30b-a3b:up:1``; ``gemm:N:K:M:ss`` for the
 tuner's best shared-memory wgmma candidate, or ``gemm:N:K:M:gluon=1,bm=128,...`` for a given
 :class:`W4Config`), ``triton:OP:M:K`` (Triton quantization kernels:
 ``fp4``, ``mxfp4``, ``mxfp4fwd``) and ``quant:OP:M:K`` (compiled quantizers: ``dense`` on M rows,
-``experts`` on M tokens x top-8 rows over 256 experts, ``masked`` SiLU-mul over 32 experts of M x 8 / 32
+``experts`` on M tokens x top-8 rows over 256 experts (``quant:experts:M:K:E`` over E experts), ``masked`` SiLU-mul over 32 experts of M x 8 / 32
 rows, ``fp8group`` / ``fp8token`` per-token-group / per-token FP8, all as ``bench_quant.py``) and ``sgl:fp8group:M:K`` (sgl-kernel's
 per-token-group FP8 on the same input, with the SGLang bundle on ``PYTHONPATH``).
 """
@@ -30,16 +31,18 @@ import os
 import subprocess
 import sys
 
-DEFAULT_CASES = ["gemm:28672:4096:1", "gemm:28672:4096:16", "gemm:28672:4096:256", "gemm:28672:4096:4096",
-                 "gemm:2048:7168:1", "gemm:28672:4096:256:ss", "gemm:28672:4096:4096:ss",
-                 "triton:fp4:8192:7168", "triton:mxfp4:8192:7168", "triton:mxfp4fwd:8192:7168"]
-KERNEL = {"gemm": "regex:w4_gemm|w4_wgmma", "triton": "regex:_nvfp4_kernel|_mx_kernel",
+#: the issue-5 goals that the committed kernels miss (benchmarks/results/gemm_h200.md), with the selected configs
+DEFAULT_CASES = ["gemm:28672:4096:1", "gemm:6144:4096:1", "gemm:4096:14336:4", "gemm:28672:4096:16",
+                 "gemm:6144:4096:256", "gemm:2048:7168:256", "gemm:7168:2048:256", "gemm:4096:14336:256",
+                 "moe:qwen3-30b-a3b:up:1"]
+KERNEL = {"gemm": "regex:w4_gemm|w4_wgmma", "moe": "regex:w4_gemm|w4_wgmma", "triton": "regex:_nvfp4_kernel|_mx_kernel",
           "quant": "regex:nvfp4_(experts|dense|masked)|fp8_(group|token)", "sgl": "regex:per_token_group"}
 WARMUP = 3
 SECTIONS = ["SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "SchedulerStats", "WarpStateStats"]
 STALLS = "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"
-#: DRAM traffic of the launch, to compare with the bytes the kernel must move (read-modify-writes show up here)
-BYTES = "dram__bytes_read.sum,dram__bytes_write.sum"
+#: DRAM traffic of the launch, to compare with the bytes the kernel must move (read-modify-writes show up here),
+#: and the warp instructions it issued (what the kernel costs in issue slots)
+BYTES = "dram__bytes_read.sum,dram__bytes_write.sum,smsp__inst_executed.sum"
 #: details-page metric names kept in the summary (section "Metric Name" column)
 KEEP = ["Duration", "DRAM Throughput", "Memory Throughput", "Compute (SM) Throughput", "Issue Slots Busy",
         "Issued Warp Per Scheduler", "Achieved Occupancy", "Theoretical Occupancy", "Registers Per Thread",
@@ -68,6 +71,18 @@ def drive(case: str) -> None:
             cfg = W4Config(**{f: int(v) for f, v in (kv.split("=") for kv in rest[3].split(","))})
         for _ in range(WARMUP + 1):
             w4_linear(x, p, config=cfg)
+    elif kind == "moe":  # moe:MODEL:PROJ:TOKENS, as bench_gemm.py's grouped table (selected config)
+        import bench_gemm as bg
+        from nvfp4_plugin.gemm import w4_grouped
+
+        model, proj, tokens = rest[0], rest[1], int(rest[2])
+        c = bg.MOE_MODELS[model]
+        n, k = dict((pj, (pn, pk)) for pj, pn, pk in bg.moe_projections(model))[proj]
+        p = bg.random_packed((c["E"],), n, k, seed=n)
+        r = bg.routing(tokens, c["E"], c["top_k"], 0)
+        x = torch.randn(r["token"].shape[0], k, device="cuda", dtype=torch.bfloat16)
+        for _ in range(WARMUP + 1):
+            w4_grouped(x, p, r["offsets"])
     elif kind == "triton":
         from nvfp4_plugin.triton import mx, nvfp4
 
@@ -102,14 +117,14 @@ def drive(case: str) -> None:
             gs = torch.ones(32, device="cuda")
             fn = lambda: c.silu_and_mul_scaled_fp4_experts_quant(x, gs, mask, output=out, output_scale=sf)  # noqa: E731
         else:
-            rows = m * 8
+            rows, e = m * 8, int(rest[3]) if len(rest) > 3 else 256
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             g = torch.Generator(device="cuda").manual_seed(0)
-            counts = torch.bincount(torch.randint(0, 256, (rows,), device="cuda", generator=g), minlength=256)
-            eo = torch.zeros(257, dtype=torch.int32, device="cuda")
+            counts = torch.bincount(torch.randint(0, e, (rows,), device="cuda", generator=g), minlength=e)
+            eo = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
             eo[1:] = torch.cumsum(counts, 0)
             bo = nx.blockscale_offsets_from_expert_offsets(eo)
-            gs = torch.ones(256, device="cuda")
+            gs = torch.ones(e, device="cuda")
             fn = lambda: c.scaled_fp4_experts_quant(x, gs, eo, bo)  # noqa: E731
         for _ in range(WARMUP + 1):
             fn()
@@ -173,7 +188,8 @@ def parse_bytes(text: str) -> str:
         return "-"
     head, units, vals = rows[0], rows[1], rows[-1]
     got = []
-    for name, what in (("dram__bytes_read.sum", "read"), ("dram__bytes_write.sum", "write")):
+    for name, what in (("dram__bytes_read.sum", "read"), ("dram__bytes_write.sum", "write"),
+                       ("smsp__inst_executed.sum", "instructions")):
         if name in head:
             i = head.index(name)
             got.append(f"{what} {vals[i]} {units[i]}".strip())
@@ -208,7 +224,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     cols = ["Duration", "DRAM Throughput", "Compute (SM) Throughput", "Issue Slots Busy", "Achieved Occupancy",
             "Registers Per Thread", "Grid Size", "Warp Cycles Per Issued Instruction"]
-    lines = ["| case | " + " | ".join(cols) + " | DRAM bytes | top stalls (warps per issue) |",
+    lines = ["| case | " + " | ".join(cols) + " | DRAM bytes, warp instructions | top stalls (warps per issue) |",
              "|---|" + "---|" * (len(cols) + 2)]
     for case in args.cases:
         d, s = run_ncu(case, args.out)
