@@ -12,14 +12,15 @@ of a missed target: DRAM near peak means the kernel is bandwidth-bound (more byt
 necessary, or a low ceiling); low DRAM with high issue means it is instruction-bound; low both
 with long-scoreboard stalls means too few bytes are in flight (latency-bound).
 
-Cases are ``gemm:N:K:M`` (dense FP4-weight GEMM, selected config; ``moe:MODEL:PROJ:TOKENS`` the grouped GEMM of a
-``bench_gemm.py`` MoE projection, e.g. ``moe:qwen3-30b-a3b:up:1``; ``gemm:N:K:M:ss`` for the
-tuner's best shared-memory wgmma candidate, or ``gemm:N:K:M:gluon=1,bm=128,...`` for a given
-:class:`W4Config`), ``triton:OP:M:K`` (Triton quantization kernels:
-``fp4``, ``mxfp4``, ``mxfp4fwd``) and ``quant:OP:M:K`` (compiled quantizers: ``dense`` on M rows,
-``experts`` on M tokens x top-8 rows over 256 experts (``quant:experts:M:K:E`` over E experts), ``masked`` SiLU-mul over 32 experts of M x 8 / 32
-rows, ``fp8group`` / ``fp8token`` per-token-group / per-token FP8, all as ``bench_quant.py``) and ``sgl:fp8group:M:K`` (sgl-kernel's
-per-token-group FP8 on the same input, with the SGLang bundle on ``PYTHONPATH``).
+Cases are ``gemm:N:K:M`` (dense FP4-weight GEMM, selected config; ``gemm:N:K:M:ss`` for the tuner's best
+shared-memory wgmma candidate, or ``gemm:N:K:M:gluon=1,bm=128,...`` for a given :class:`W4Config`),
+``moe:MODEL:PROJ:TOKENS`` (the grouped GEMM of a ``bench_gemm.py`` MoE projection, e.g.
+``moe:qwen3-30b-a3b:up:1``), ``triton:OP:M:K`` (Triton quantization kernels: ``fp4``, ``mxfp4``, ``mxfp4fwd``)
+and ``quant:OP:M:K`` (compiled quantizers: ``dense`` on M rows, ``experts`` on M tokens x top-8 rows over 256
+experts, ``quant:experts:M:K:E`` over E experts, ``masked`` SiLU-mul over 32 experts of M x 8 / 32 rows,
+``fp8group`` / ``fp8token`` per-token-group / per-token FP8, all as ``bench_quant.py``) and
+``sgl:fp8group:M:K`` (sgl-kernel's per-token-group FP8 on the same input, with the SGLang bundle on
+``PYTHONPATH``).
 """
 
 from __future__ import annotations
