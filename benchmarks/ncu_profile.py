@@ -36,8 +36,9 @@ import sys
 DEFAULT_CASES = ["gemm:28672:4096:1", "gemm:6144:4096:1", "gemm:4096:14336:4", "gemm:28672:4096:16",
                  "gemm:6144:4096:256", "gemm:2048:7168:256", "gemm:7168:2048:256", "gemm:4096:14336:256",
                  "moe:qwen3-30b-a3b:up:1"]
-KERNEL = {"gemm": "regex:w4_gemm|w4_wgmma|w4_dequant", "moe": "regex:w4_gemm|w4_wgmma", "triton": "regex:_nvfp4_kernel|_mx_kernel",
-          "quant": "regex:nvfp4_(experts|dense|masked)|fp8_(group|token)", "sgl": "regex:per_token_group"}
+KERNEL = {"gemm": "regex:w4_gemm|w4_wgmma|w4_dequant", "moe": "regex:w4_gemm|w4_wgmma",
+          "triton": "regex:_nvfp4_kernel|_mx_kernel", "quant": "regex:nvfp4_(experts|dense|masked)|fp8_(group|token)",
+          "sgl": "regex:per_token_group"}
 WARMUP = 3
 SECTIONS = ["SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "SchedulerStats", "WarpStateStats"]
 STALLS = "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"
