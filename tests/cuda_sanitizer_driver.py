@@ -49,11 +49,11 @@ def main() -> int:
             for swizzle in (True, False):
                 for fmt in ("e4m3", "ue8m0"):
                     ops.scaled_fp4_quant(x, gs, swizzle=swizzle, scale_format=fmt)
-    # inputs of several L2 sizes (csrc dense_tiling): 3 L2 sizes at K=2048 take the one-wave row-block kernel
-    # (many row steps per CTA in the grid-wide order), 6 at K=1040 (padding columns) the many-wave chunks
+    # larger inputs (csrc dense_tiling): 2213 x 2048 takes the one-wave row-block kernel (several row steps per
+    # CTA in the grid-wide order), 3 L2 sizes at K=2048 and 6 at K=1040 (padding columns) the tapered chunks
     l2 = torch.cuda.get_device_properties(0).L2_cache_size or 50 << 20
-    for k, times in ((2048, 3), (1040, 6)):
-        x = torch.randn((times * l2) // (k * 2) + 165, k, device="cuda").to(torch.bfloat16)
+    for k, m in ((2048, 2213), (2048, (3 * l2) // 4096 + 165), (1040, (6 * l2) // 2080 + 165)):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         ops.scaled_fp4_quant(x, nx.tensor_global_scale(x).reshape(1), swizzle=True)
         del x
     done.append("scaled_fp4_quant")

@@ -79,8 +79,8 @@ def test_e2m1_software_twin_matches_numerics(driver, tmp_path):
     for path in (1, 2):
         got = u8(run(driver, tmp_path, "e2m1", raw(vals), path))
         assert torch.equal(got, want), f"path {path}"
-    # path 0 (small) is only used when |y| < 8
-    small = vals[vals.abs() < 8]
+    # path 0 (the fast encoder, fed the products times its scale by the driver) is only used when |y| < 7
+    small = vals[vals.abs() < 7]
     assert torch.equal(u8(run(driver, tmp_path, "e2m1", raw(small), 0)), nx.e2m1_encode(small))
     # NaN -> code 0 on the NaN-aware path
     nans = torch.tensor([math.nan, -math.nan, 1.0, math.nan, -2.0, math.nan, 0.3, math.nan])
@@ -221,6 +221,38 @@ def test_swizzle_offsets(driver, tmp_path):
         got = torch.frombuffer(bytearray(run(driver, tmp_path, "swizzle", raw(pairs), kt)), dtype=torch.int32)
         want = nx.swizzled_offset(pairs[:, 0].long(), pairs[:, 1].long(), kb)
         assert torch.equal(got.long(), want)
+
+
+@pytest.mark.parametrize("rows, trows, cols, tcols, steps, resident", [
+    (8192, 1, 256, 256, 8, 792),          # 8192 x 4096: one column tile, 8-step runs, tapered
+    (32768 + 37, 2, 128, 128, 8, 792),    # 32768 x 2048 plus a ragged end: 2 rows per step
+    (65536, 1, 448, 224, 32, 660),        # experts, two column tiles, 32-row runs
+    (5000, 1, 256, 256, 8, 792),          # too few rows to taper: equal runs
+    (1, 1, 256, 256, 8, 792),
+    (70_000_000, 1, 256, 256, 8, 792),    # grid.y over 65535: the runs double
+])
+@pytest.mark.parametrize("taper", [0, 1])
+def test_chunk_plan_covers_every_row_step_once(driver, tmp_path, rows, trows, cols, tcols, steps, resident, taper):
+    """csrc chunk_grid / chunk_run: the CTA rows' runs tile [0, row steps) in order, back to back, with no gap
+    or overlap past the end; tapered, the last wave (and the remainder) of CTA rows takes quarter runs and the
+    wave before it half runs."""
+    out = torch.frombuffer(bytearray(run(driver, tmp_path, "chunks", b"", rows, trows, cols, tcols, steps, resident,
+                                         taper)), dtype=torch.int32).long()
+    gx, gy, s = out[:3].tolist()
+    runs = out[3:].reshape(-1, 2)
+    row_steps = nx.ceil_div(rows, trows)
+    assert gx == nx.ceil_div(cols, tcols) and runs.shape[0] == gy <= 65535 and s >= steps
+    begins, lengths = runs[:, 0], runs[:, 1]
+    assert begins[0] == 0 and torch.equal(begins[1:], begins[:-1] + lengths[:-1])  # back to back
+    assert begins[-1] < row_steps <= begins[-1] + lengths[-1]  # the last run reaches the end, none starts past it
+    wave = max(resident // gx, 1)
+    if taper and row_steps > wave * (s // 2 + s // 4):
+        n_full, n_half, n_quarter = [int((lengths == v).sum()) for v in (s, s // 2, s // 4)]
+        assert n_full + n_half + n_quarter == gy and n_half == wave  # full runs, one wave of halves, ...
+        assert wave <= n_quarter < wave + 4  # ... then at least a wave of quarters (the remainder's too)
+        assert (lengths[:-1] >= lengths[1:]).all()  # in that order
+    else:
+        assert (lengths == s).all()
 
 
 def test_driver_source_is_in_tree():

@@ -121,12 +121,12 @@ def _row_group_rows(k: int, elem: int, l2_times: int = 3) -> int:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_scaled_fp4_quant_large_m(cuda_ops, dtype):
-    """Inputs of several L2 sizes (csrc dense_tiling): same bytes as the reference, padding rows zeroed, both
-    scale formats and layouts. K=2048 at 3 L2 sizes: the one-wave row-block tile in the grid-wide row order
-    (128 block columns, 2 rows per CTA step); K=1040 at 6 L2 sizes: the many-wave chunks kernel (padding
-    columns)."""
-    for k, times in ((2048, 3), (1040, 6)):
-        m = _row_group_rows(k, torch.empty((), dtype=dtype).element_size(), l2_times=times)
+    """Larger inputs (csrc dense_tiling): same bytes as the reference, padding rows zeroed, both scale formats
+    and layouts. 2213 x 2048: the one-wave row-block tile in the grid-wide row order (128 block columns, 2 rows
+    per CTA step; too few rows for six waves of chunks); K=2048 at 3 L2 sizes and K=1040 at 6 L2 sizes (padding
+    columns): the many-wave chunks kernel with its tapered last waves."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    for k, m in ((2048, 2213), (2048, _row_group_rows(2048, elem, 3)), (1040, _row_group_rows(1040, elem, 6))):
         x = activations(m, k, dtype, seed=k)
         gs = nx.tensor_global_scale(x).reshape(1)
         for fmt, swizzle in (("e4m3", True), ("ue8m0", True), ("e4m3", False)):

@@ -215,12 +215,58 @@ inline dim3 tile_grid(const Tile& t, int32_t kb_cols, uint64_t rows, uint64_t ex
   return dim3(uint32_t(gx), uint32_t(gy > 65535 ? 65535 : gy), 1);
 }
 
-// Grid of a chunks kernel (CTA y takes `steps` consecutive row steps of `t.rows` rows from y * steps; many
-// waves): x = column tiles, y = row-step runs. `steps` is doubled until grid.y fits its 65535 limit.
-inline dim3 chunk_grid(const Tile& t, int32_t cols, uint64_t rows, int32_t& steps) {
+// The row-step runs of a chunks kernel's CTAs (many waves; the block scheduler starts them in order of
+// blockIdx.y): CTA y takes `steps` consecutive row steps for y < y1, steps / 2 for y1 <= y < y2 and steps / 4
+// from y2 on, back to back from row step 0. The shorter runs are the last waves (the tail): the GPU then does
+// not idle while a few long CTAs finish. y1 = y2 = grid.y: every run `steps` long.
+struct ChunkPlan {
+  int32_t steps, y1, y2;
+};
+
+NVQ_HD uint32_t chunk_half(uint32_t s) { return s > 1 ? s / 2 : 1; }
+NVQ_HD uint32_t chunk_quarter(uint32_t s) { return s > 3 ? s / 4 : 1; }
+
+// First row step of CTA y's run, and its length in `n` (the last run may reach past the rows: clamp).
+NVQ_HD uint32_t chunk_run(const ChunkPlan& p, uint32_t y, uint32_t& n) {
+  const uint32_t s = uint32_t(p.steps), y1 = uint32_t(p.y1), y2 = uint32_t(p.y2);
+  if (y < y1) {
+    n = s;
+    return y * s;
+  }
+  const uint32_t h = chunk_half(s);
+  if (y < y2) {
+    n = h;
+    return y1 * s + (y - y1) * h;
+  }
+  n = chunk_quarter(s);
+  return y1 * s + (y2 - y1) * h + (y - y2) * n;
+}
+
+// Grid and plan of a chunks kernel: x = column tiles, y = row-step runs of `steps` (doubled until grid.y fits
+// its 65535 limit). With `taper`, the last wave of `resident` CTAs (the whole GPU) takes quarter runs and
+// the wave before it half runs, where the rows fill more than those two waves.
+inline dim3 chunk_grid(const Tile& t, int32_t cols, uint64_t rows, int32_t steps, uint64_t resident, bool taper,
+                       ChunkPlan& plan) {
+  const uint64_t gx = uint64_t((cols + t.cols - 1) / t.cols);
   const uint64_t row_steps = (rows + uint64_t(t.rows) - 1) / uint64_t(t.rows);
-  while ((row_steps + steps - 1) / steps > 65535) steps *= 2;
-  return dim3(uint32_t((cols + t.cols - 1) / t.cols), uint32_t((row_steps + steps - 1) / steps));
+  for (;;) {
+    const uint64_t s = uint64_t(steps), h = chunk_half(uint32_t(steps)), q = chunk_quarter(uint32_t(steps));
+    const uint64_t wave = resident / gx > 0 ? resident / gx : 1;  // CTA rows resident at once
+    uint64_t y1, y2, gy;
+    if (taper && row_steps > wave * (h + q)) {
+      y1 = (row_steps - wave * (h + q)) / s;
+      y2 = y1 + wave;
+      gy = y2 + (row_steps - y1 * s - wave * h + q - 1) / q;
+    } else {
+      gy = (row_steps + s - 1) / s;
+      y1 = y2 = gy;
+    }
+    if (gy <= 65535) {
+      plan = ChunkPlan{steps, int32_t(y1), int32_t(y2)};
+      return dim3(uint32_t(gx), uint32_t(gy > 0 ? gy : 1));
+    }
+    steps *= 2;
+  }
 }
 
 // Instantiate a launcher for the activation dtype named by a host-side ActDType.

@@ -13,8 +13,10 @@
 //     subroutine (the SASS check forbids CALL);
 //   * denormals are kept (no -ftz, no --use_fast_math).
 //
-// Blackwell vs Hopper twins: only e2m1x8_finite() differs. On sm_100a / sm_103a it is the hardware
-// cvt.rn.satfinite.e2m1x2.f32; elsewhere (sm_90a, host) a software encoder with the same semantics.
+// Blackwell vs Hopper twins: only the E2M1 encoders (e2m1x8_finite, e2m1x8_fast) and the fast path's
+// product scale kFastScale differ. On sm_100a / sm_103a the encoders are the hardware
+// cvt.rn.satfinite.e2m1x2.f32 and kFastScale is 1; elsewhere (sm_90a, host) software encoders with the
+// same semantics (the fast one on products scaled by 2**-6, converted with the hardware e4m3 cvt).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -275,6 +277,20 @@ NVQ_HD uint8_t e4m3_satfinite(float x) {
   return (uint8_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
 }
 
+// The same byte in a 32-bit register whose upper bits the compiler knows to be zero (an index with no
+// masking; the device conversion writes a 16-bit pair with a zero high byte, widened).
+NVQ_HD uint32_t e4m3_satfinite_u32(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t r;
+  asm("{\n.reg .b16 h, z;\ncvt.rn.satfinite.e4m3x2.f32 h, 0f00000000, %1;\nmov.b16 z, 0;\nmov.b32 %0, {h, z};\n}"
+      : "=r"(r)
+      : "f"(x));
+  return r;
+#else
+  return e4m3_satfinite(x);
+#endif
+}
+
 // Two values in one conversion: low byte from lo, high byte from hi.
 NVQ_HD uint16_t e4m3x2_satfinite(float lo, float hi) {
   float2 v;
@@ -331,8 +347,6 @@ NVQ_HD uint32_t nibble_signs_f32(const float (&y)[8]) {
 // at the nibble sign positions (nibble_signs_f32(y)); callers usually have them cheaper from the raw
 // activations. The hardware twin ignores it (cvt takes the sign from y).
 //   e2m1x8_finite: y never NaN.
-//   e2m1x8_small:  y never NaN and |y| < 8 (no clamp needed: a value in [7, 8) rounds to the
-//                  code-8 overflow, which the packed fix below turns into 7).
 NVQ_HD uint32_t e2m1x8_hw(const float (&y)[8]) {
 #if NVQ_HW_E2M1
   uint32_t out;
@@ -366,22 +380,40 @@ NVQ_HD uint32_t e2m1x8_finite(const float (&y)[8], uint32_t signs) {
 #endif
 }
 
-NVQ_HD uint32_t e2m1x8_small(const float (&y)[8], uint32_t signs) {
+// The fast path's products are taken times kFastScale: 2**-6 in the software twin, where an E2M1 value
+// v times 2**-6 is an E4M3 value whose byte is (code of v) << 2 (E2M1's subnormal 0.5 lands on E4M3's
+// subnormal 2**-7, 1..6 on its binades -6..-4 with the same mantissa bit), so the hardware e4m3
+// conversion packs two codes per instruction; 1 in the hardware twin. Exact as long as the scaled
+// out_scale stays normal: nvfp4_fast_out_scale sends every other block to the exact path.
+#if NVQ_HW_E2M1
+constexpr float kFastScale = 1.0f;
+constexpr float kMinFastOutScale = 0.0f;
+#else
+constexpr float kFastScale = 0x1p-6f;
+constexpr float kMinFastOutScale = 0x1p-120f;  // out_scale * 2**-6 >= 2**-126 is exact
+#endif
+
+//   e2m1x8_fast: y = products times kFastScale, never NaN, |y| < 7 * kFastScale (no clamp needed, and no
+//                product reaches the rounding to 8 past the largest code). A block's largest product is
+//                6 * (1 +- 2**-4) unless its scale byte saturates or is subnormal.
+NVQ_HD uint32_t e2m1x8_fast(const float (&y)[8], uint32_t signs) {
 #if NVQ_HW_E2M1
   (void)signs;
   return e2m1x8_hw(y);
 #else
-  // e2m1_mag_sw without the clamp: codes 0..8 (8 only for |y| in [7, 8)).
-  uint32_t acc = 0;
+  // |y| rounded to the E2M1 grid (times 2**-6) with e2m1_mag_sw's magic addition, then taken back out:
+  // v = (|y| + m) - m is exact, and e4m3(v) = code << 2.
+  float v[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const uint32_t t = (f2u(y[i]) & 0x7F800000u) + 0x0B000000u;
-    const uint32_t m = t > 0x4A800000u ? t : 0x4A800000u;
-    const uint32_t r = f2u(add_rn(fabsf(y[i]), u2f(m)));
-    acc += (r + (m >> 22) - m - 298u) << (4 * i);
+    const float m = u2f(t > 0x47800000u ? t : 0x47800000u);
+    v[i] = sub_rn(add_rn(fabsf(y[i]), m), m);
   }
-  acc -= (acc & 0x88888888u) >> 3;  // 8 -> 7 (no other code has bit 3 set)
-  return acc | signs;
+  // bytes [c0 c2 c4 c6] and [c1 c3 c5 c7], each code << 2 (<= 0x1C: no bit crosses a byte below)
+  const uint32_t even = uint32_t(e4m3x2_satfinite(v[0], v[2])) | (uint32_t(e4m3x2_satfinite(v[4], v[6])) << 16);
+  const uint32_t odd = uint32_t(e4m3x2_satfinite(v[1], v[3])) | (uint32_t(e4m3x2_satfinite(v[5], v[7])) << 16);
+  return (even >> 2) | (odd << 2) | signs;
 #endif
 }
 
@@ -397,12 +429,13 @@ NVQ_HD uint32_t e2m1x8_any(const float (&y)[8]) {
 // ------------------------------------------------------------------------------------------------
 // NVFP4 block scale (steps 2-3 of the recipe)
 // ------------------------------------------------------------------------------------------------
-// Step 2: the stored scale byte of a block from its NaN-ignoring fp32 amax `vmax`.
+// Step 2: the stored scale byte of a block from its NaN-ignoring fp32 amax `vmax` (in a 32-bit integer:
+// kernels index the out_scale tables with it).
 // e4m3: RN satfinite of gs * (vmax * fp32(1/6)) (== after the clamp to +-448, see clamp448).
 // UE8M0: biased exponent of the smallest power of two >= that value, clamped to [-127, 127];
 // zero, negative (finite) or NaN values give byte 0, +-inf byte 254.
 template <bool UE8M0>
-NVQ_HD uint8_t nvfp4_scale_byte(float vmax, float gs) {
+NVQ_HD uint32_t nvfp4_scale_byte(float vmax, float gs) {
   const float raw = mul_rn(gs, mul_rn(vmax, kOneSixth));
   if (UE8M0) {
     int e = -kE8M0Bias;
@@ -412,9 +445,9 @@ NVQ_HD uint8_t nvfp4_scale_byte(float vmax, float gs) {
       e = ceil_log2(raw);
       e = e > kE8M0Bias ? kE8M0Bias : (e < -kE8M0Bias ? -kE8M0Bias : e);
     }
-    return uint8_t(e + kE8M0Bias);
+    return uint32_t(e + kE8M0Bias);
   }
-  return e4m3_satfinite(raw);
+  return e4m3_satfinite_u32(raw);
 }
 
 // Step 3: out_scale = 0 if s == 0 else 1 / (s * (1 / gs)), with s the value of the stored byte.
@@ -425,19 +458,20 @@ NVQ_HD float nvfp4_out_scale(uint8_t stored, float inv_gs) {
   return (s == 0.0f) ? 0.0f : rcp_rn(mul_rn(s, inv_gs));
 }
 
-// Encoding paths of a block, from its NaN-propagating amax vmax_nan and its out_scale:
-//  kSmall: no NaN, out_scale finite and >= 0, and max |x * out_scale| < 8 (the usual case);
-//  kFinite: no NaN, out_scale finite and >= 0 (products never NaN, their sign is the sign of x);
-//  kAny: everything else (NaN values, or a degenerate global scale: an out_scale that is NaN,
-//        infinite or negative, or 0 with an infinite amax).
-enum class EncodePath : int { kSmall = 0, kFinite = 1, kAny = 2 };
+// Whether every product x * out_scale of a block is free of NaN and carries the sign of x, from the
+// block's NaN-propagating amax: no NaN value, and a finite, non-negative out_scale that is not 0
+// against an infinite amax (inf * 0).
+NVQ_HD bool nvfp4_products_signed(float vmax_nan, float out_scale) {
+  if (!(out_scale >= 0.0f && out_scale <= kFltMax)) return false;
+  return !is_nan(mul_rn(vmax_nan, out_scale));
+}
 
-NVQ_HD EncodePath nvfp4_encode_path(float vmax_nan, float out_scale) {
-  if (!(out_scale >= 0.0f && out_scale <= kFltMax)) return EncodePath::kAny;
-  // NaN here: a NaN value, or an infinite amax with out_scale 0 (inf * 0 products)
-  const float ymax = mul_rn(vmax_nan, out_scale);
-  if (is_nan(ymax)) return EncodePath::kAny;
-  return ymax < 8.0f ? EncodePath::kSmall : EncodePath::kFinite;
+// The out_scale the fast path multiplies by, from the recipe's out_scale: out_scale * kFastScale where
+// that is exact and out_scale is 0 or finite and >= kMinFastOutScale; NaN otherwise, which fails the fast
+// path's test for every block of that scale byte (they take the exact path).
+NVQ_HD float nvfp4_fast_out_scale(float out_scale) {
+  const bool ok = out_scale == 0.0f || (out_scale >= kMinFastOutScale && out_scale <= kFltMax);
+  return ok ? mul_rn(out_scale, kFastScale) : u2f(0x7FFFFFFFu);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -33,22 +33,16 @@ __device__ __forceinline__ uint8_t quant_block_at(const T* __restrict__ p, uint8
   return s;
 }
 
-// out_scale as a function of the scale byte, tabulated once per CTA (one global scale).
-struct OutScaleTable {
-  const float* table;
-  __device__ __forceinline__ float operator()(uint8_t b) const { return table[b]; }
-};
-
 // The out_scale table of the expert that a CTA step works on, for the 8-row-group kernels (every row
 // of a step lies in one 128-row scale tile, so in one expert: the expert is CTA-uniform). use() rebuilds
 // the table between two barriers when the expert changes; every thread of the CTA must call it.
 struct ExpertOutScales {
-  float* table;  // [256] shared memory
+  float* table;  // [kOutScaleTab] shared memory (OutScaleTable)
   int expert;
   __device__ __forceinline__ void use(int e, float inv_gs) {
     if (e == expert) return;
     __syncthreads();  // the previous expert's last reads
-    for (int b = threadIdx.x; b < 256; b += blockDim.x) table[b] = nvfp4_out_scale<false>(uint8_t(b), inv_gs);
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) fill_out_scale_table<false>(table, b, inv_gs);
     __syncthreads();
     expert = e;
   }
@@ -114,8 +108,11 @@ inline TilingChoice pick_tiling(TilingChoice measured, bool groups_ok, bool chun
 //   up. A one-wave grid that sweeps its rows in a fixed order falls behind itself on long inputs (CTAs drift
 //   apart, and with them the rows of each 32-byte scale sector); the block scheduler keeps a many-wave grid
 //   in order (H200, 2026-11-25, % of copy, one-wave -> chunks: 32768 x 4096 84.4 -> 85.9, 32768 x 7168
-//   82.4 -> 86.8, 131072 x 4096 84.0 -> 91.0, 262144 x 4096 75.1 -> 92.2, 262144 x 7168 63.8 -> 91.4);
-//   with fewer rows the chunks leave a partial last wave (8192 x 4096: 73.5 -> 67-73);
+//   82.4 -> 86.8, 131072 x 4096 84.0 -> 91.0, 262144 x 4096 75.1 -> 92.2, 262144 x 7168 63.8 -> 91.4).
+//   Their last two waves take half and quarter runs (ChunkPlan), so that from six waves' worth of 8-step runs
+//   the chunks beat the one-wave kernel too, where a plain last wave left the GPU idling behind a few long
+//   CTAs (H200, 2026-11-26, one-wave -> tapered chunks: 4096 x 7168 76.0 -> 80.3, 8192 x 4096 / 7168
+//   78.6 / 82.7 -> 82.2 / 87.9, 32768 x 2048 84.6 -> 88.9; untapered chunks at 8192 x 4096 were 67-73);
 // - else the one-wave row-block tile in the grid-wide row order (nvfp4_dense_kernel), which measured faster
 //   than the groups at 8192-32768 rows (the neighbouring CTAs write the rows of one scale sector close
 //   together in time there).
@@ -127,9 +124,9 @@ inline TilingChoice dense_tiling(bool swizzle, int64_t m_pad, int32_t kb_pad, co
   const uint64_t units = gx * uint64_t((m_pad + rows_tile.rows - 1) / rows_tile.rows);  // CTA row steps
   steps = units >= 128 * chunk_ctas ? 16 : 8;
   const bool groups_ok = swizzle && kb_pad >= 32;
-  const TilingChoice measured = groups_ok && m_pad <= 1024       ? TilingChoice::kGroups
-                                : units >= 32 * chunk_ctas ? TilingChoice::kChunks
-                                                           : TilingChoice::kRows;
+  const TilingChoice measured = groups_ok && m_pad <= 1024      ? TilingChoice::kGroups
+                                : units >= 6 * chunk_ctas ? TilingChoice::kChunks
+                                                          : TilingChoice::kRows;
   return pick_tiling(measured, groups_ok, true);
 }
 
@@ -166,16 +163,16 @@ __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restri
                                                                uint8_t* __restrict__ out, uint8_t* __restrict__ sf,
                                                                int32_t m, int32_t m_pad, int32_t k, int32_t kb,
                                                                int32_t kb_pad, Tile tile) {
-  __shared__ float table[256];
+  __shared__ float table[kOutScaleTab];
   const float gs = __ldg(gsp);
   const float inv_gs = rcp_or_zero(gs);
-  for (int b = threadIdx.x; b < 256; b += blockDim.x) table[b] = nvfp4_out_scale<UE8M0>(uint8_t(b), inv_gs);
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) fill_out_scale_table<UE8M0>(table, b, inv_gs);
   __syncthreads();
 
   const int32_t ty = int32_t(threadIdx.x) / tile.cols;
   const int32_t col = int32_t(blockIdx.x) * tile.cols + (int32_t(threadIdx.x) - ty * tile.cols);
   if (ty >= tile.rows || col >= kb_pad) return;  // the CTA has kThreads threads, the tile may use fewer
-  const OutScaleTable os{table};
+  const OutScaleTable os(table);
   const uint32_t kt = uint32_t(kb_pad) >> 2;
   const uint32_t colpart = swz_col(uint32_t(col));
   if constexpr (GROUPS) {
@@ -216,8 +213,8 @@ __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restri
   for (; r < uint32_t(m_pad); r += rstep) store_sf(r, 0);  // padding rows and padding columns of the swizzled layout
 }
 
-// Dense in chunks (dense_tiling): CTA y of a many-wave grid takes the `steps` consecutive row steps from
-// y * steps, so the block scheduler keeps the sweep over the input in order. The CTA's first block is loaded
+// Dense in chunks (dense_tiling): CTA y of a many-wave grid takes a run of consecutive row steps (ChunkPlan: `steps`
+// long, shorter in the last two waves), so the block scheduler keeps the sweep over the input in order. The CTA's first block is loaded
 // before the out_scale table is built. Built for 6 resident CTAs per SM with 16-bit inputs and e4m3 scales (40
 // registers, measured faster than 48); UE8M0 scales and fp32 inputs would spill there and take no bound.
 // A kernel of its own: folded into nvfp4_dense_kernel as a third row order, it took that kernel's one-wave
@@ -226,23 +223,24 @@ template <typename T, bool SWIZZLE, bool UE8M0>
 __global__ void __launch_bounds__(kThreads, kIs16Bit<T> && !UE8M0 ? 6 : 1)
     nvfp4_dense_chunks_kernel(const T* __restrict__ in, const float* __restrict__ gsp, uint8_t* __restrict__ out,
                               uint8_t* __restrict__ sf, int32_t m, int32_t m_pad, int32_t k, int32_t kb,
-                              int32_t kb_pad, Tile tile, int32_t steps) {
-  __shared__ float table[256];
+                              int32_t kb_pad, Tile tile, ChunkPlan plan) {
+  __shared__ float table[kOutScaleTab];
   const int32_t ty = int32_t(threadIdx.x) / tile.cols;
   const int32_t col = int32_t(blockIdx.x) * tile.cols + (int32_t(threadIdx.x) - ty * tile.cols);
   const bool active = ty < tile.rows && col < kb_pad;  // the CTA has kThreads threads, the tile may use fewer
-  const uint32_t r_begin = blockIdx.y * uint32_t(steps) * uint32_t(tile.rows);
-  const uint32_t r_end = min(uint32_t(m_pad), r_begin + uint32_t(steps) * uint32_t(tile.rows));
+  uint32_t n_steps;
+  const uint32_t r_begin = chunk_run(plan, blockIdx.y, n_steps) * uint32_t(tile.rows);
+  const uint32_t r_end = min(uint32_t(m_pad), r_begin + n_steps * uint32_t(tile.rows));
   const uint32_t r0 = r_begin + uint32_t(ty);
   const T* p = in + int64_t(r0) * k + col * 16;
   uint4 c[kChunksPerBlock16<T>];
   if (active && col < kb && r0 < uint32_t(m)) load_block16<T>(p, c);
   const float gs = __ldg(gsp);
   const float inv_gs = rcp_or_zero(gs);
-  for (int b = threadIdx.x; b < 256; b += blockDim.x) table[b] = nvfp4_out_scale<UE8M0>(uint8_t(b), inv_gs);
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) fill_out_scale_table<UE8M0>(table, b, inv_gs);
   __syncthreads();
   if (!active) return;
-  const OutScaleTable os{table};
+  const OutScaleTable os(table);
   const uint32_t kt = uint32_t(kb_pad) >> 2;
   const uint32_t colpart = swz_col(uint32_t(col));
   uint8_t* q = out + int64_t(r0) * (k / 2) + col * 8;
@@ -285,7 +283,7 @@ __device__ __forceinline__ int build_expert_out_tables(const int32_t* eo, int nu
     if (n_tab > kMaxOutTabs) n_tab = 0;
   }
   for (int i = threadIdx.x; i < n_tab * 256; i += blockDim.x) {
-    otab[i] = nvfp4_out_scale<false>(uint8_t(i & 255), rcp_or_zero(__ldg(gsp + e_first + (i >> 8))));
+    fill_out_scale_table<false>(otab + (i >> 8) * kOutScaleTab, i & 255, rcp_or_zero(__ldg(gsp + e_first + (i >> 8))));
   }
   return n_tab;
 }
@@ -299,7 +297,7 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ int32_t smem[];
   int32_t* eo = smem;
   int32_t* bo = smem + num_experts + 1;
-  float* otab = reinterpret_cast<float*>(smem + 2 * (num_experts + 1));  // [kMaxOutTabs][256] with use_tabs
+  float* otab = reinterpret_cast<float*>(smem + 2 * (num_experts + 1));  // [kMaxOutTabs][kOutScaleTab] with use_tabs
   stage_to_smem(eo, eo_g, num_experts + 1);
   stage_to_smem(bo, bo_g, num_experts + 1);
   __syncthreads();
@@ -326,7 +324,7 @@ __global__ void __launch_bounds__(kThreads)
       constexpr bool kTab = decltype(tab_tag)::value;
       int32_t lo = 0, hi = 0, base = 0;  // cached expert: rows [lo, hi) -> scale rows base + (row - lo)
       float gs = 0.0f, inv_gs = 0.0f;
-      const float* tab = otab;
+      OutScaleTable tab(otab);
       uint32_t ur = rs.begin + ty;
       uint4 c[kChunksPerBlock16<T>];
       load_block16<T>(pin + int64_t(ur) * k, c);  // every row < m has input, expert or not
@@ -346,7 +344,7 @@ __global__ void __launch_bounds__(kThreads)
             base = bo[e];
             gs = __ldg(gsp + e);
             if (kTab) {
-              tab = otab + (e - e_first) * 256;
+              tab = OutScaleTable(otab + (e - e_first) * kOutScaleTab);
             } else {
               inv_gs = rcp_or_zero(gs);
             }
@@ -354,7 +352,7 @@ __global__ void __launch_bounds__(kThreads)
           uint32_t qlo, qhi;
           uint8_t s;
           if (kTab) {
-            s = nvfp4_quant_block16<T, false>(c, gs, OutScaleTable{tab}, qlo, qhi);
+            s = nvfp4_quant_block16<T, false>(c, gs, tab, qlo, qhi);
           } else {
             s = nvfp4_quant_block16<T, false>(c, gs, OutScaleDirect<false>{inv_gs}, qlo, qhi);
           }
@@ -426,8 +424,9 @@ __device__ __forceinline__ int first_end_above(const int32_t* a, int n, int64_t 
 }
 
 // Grouped by expert, in chunks (experts_tiling): nvfp4_dense_chunks_kernel's order over the input rows. CTA y takes
-// `steps` consecutive row steps from row y * steps * tile.rows, so the many-wave grid sweeps the input in
-// order and each CTA meets one or two experts. A row r of expert e writes its scales at scale row
+// a run of consecutive row steps (32 rows; the last two waves half and quarter runs, ChunkPlan: H200, 2026-11-26,
+// 8192 tokens x 2048 / 4096 / 7168 72.4 / 71.5 / 76.9 -> 74.0 / 76.5 / 78.9% of copy), so the many-wave grid
+// sweeps the input in order and each CTA meets one or two experts. A row r of expert e writes its scales at scale row
 // bo[e] + (r - eo[e]). Per CTA: the offsets are staged in shared memory, and the out_scale tables of the
 // experts of its rows are built once (more than kMaxOutTabs experts: out_scale per block). The CTA that
 // holds an expert's last row (clamped to [0, m)) zeroes that expert's padding scale rows
@@ -440,17 +439,18 @@ __global__ void __launch_bounds__(kThreads, kIs16Bit<T> ? 5 : 1)
     nvfp4_experts_chunks_kernel(const T* __restrict__ in, const float* __restrict__ gsp,
                                 const int32_t* __restrict__ eo_g, const int32_t* __restrict__ bo_g,
                                 uint8_t* __restrict__ out, uint8_t* __restrict__ sf, int32_t m, int32_t k, int32_t kb,
-                                int32_t kb_pad, int num_experts, int32_t sf_rows, Tile tile, int32_t steps,
+                                int32_t kb_pad, int num_experts, int32_t sf_rows, Tile tile, ChunkPlan plan,
                                 FastDiv kt_div) {
   extern __shared__ int32_t smem[];
   int32_t* eo = smem;
   int32_t* bo = smem + num_experts + 1;
-  float* otab = reinterpret_cast<float*>(smem + 2 * (num_experts + 1));  // [kMaxOutTabs][256]
+  float* otab = reinterpret_cast<float*>(smem + 2 * (num_experts + 1));  // [kMaxOutTabs][kOutScaleTab]
   const int32_t ty = int32_t(threadIdx.x) / tile.cols;
   const int32_t col = int32_t(blockIdx.x) * tile.cols + (int32_t(threadIdx.x) - ty * tile.cols);
   const bool active = ty < tile.rows && col < kb_pad;  // the CTA has kThreads threads, the tile may use fewer
-  const int32_t R0 = int32_t(blockIdx.y) * steps * tile.rows;
-  const int32_t R1 = min(m, R0 + steps * tile.rows);
+  uint32_t n_steps;
+  const int32_t R0 = int32_t(chunk_run(plan, blockIdx.y, n_steps)) * tile.rows;
+  const int32_t R1 = min(m, R0 + int32_t(n_steps) * tile.rows);
   const int32_t r0 = R0 + ty;
   uint4 c[kChunksPerBlock16<T>];
   if (active && col < kb && r0 < R1) load_block16<T>(in + int64_t(r0) * k + col * 16, c);  // before the setup
@@ -499,7 +499,7 @@ __global__ void __launch_bounds__(kThreads, kIs16Bit<T> ? 5 : 1)
         }
       };
       if (n_tab > 0) {
-        run(OutScaleTable{otab + (e - e_first) * 256});
+        run(OutScaleTable(otab + (e - e_first) * kOutScaleTab));
       } else {
         run(OutScaleDirect<false>{rcp_or_zero(gs)});
       }
@@ -772,8 +772,9 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t ty = int32_t(threadIdx.x) >> 5;  // tile: 32 block columns x kDenseGroupRows rows
   const int32_t col = int32_t(blockIdx.x) * 32 + (int32_t(threadIdx.x) & 31);
   {
-    __shared__ float os_table[256];
+    __shared__ float os_table[kOutScaleTab];
     ExpertOutScales os{os_table, -1};
+    const OutScaleTable tab(os_table);
     const uint32_t colpart = swz_col(uint32_t(col));
     const Slice grp_rows = row_slice(uint32_t(tiles[num_experts]) * 16u, 1);
     const uint32_t sub = group_sub(ty);
@@ -821,7 +822,7 @@ __global__ void __launch_bounds__(kThreads)
       uint4 c[kChunksPerBlock16<T>];
       masked_block16_tab<T, SILU, TABLE>(raw, c, silu_tab);
       uint32_t qlo, qhi;
-      *p = nvfp4_quant_block16<T, false>(c, gs, OutScaleTable{os_table}, qlo, qhi);
+      *p = nvfp4_quant_block16<T, false>(c, gs, tab, qlo, qhi);
       st8(out + row * (k / 2) + col * 8, make_uint2(qlo, qhi));
     }
   }
@@ -907,9 +908,11 @@ cudaError_t launch_dense(const void* input, const float* gs, uint8_t* out, uint8
   const TilingChoice tiling = dense_tiling(SWIZZLE, m_pad, kb_pad, tile, gpu_ctas(num_sms, per_sm_chunks), steps);
   const T* in = static_cast<const T*>(input);
   if (tiling == TilingChoice::kChunks) {
-    const dim3 grid = chunk_grid(tile, kb_pad, uint64_t(m_pad), steps);
+    ChunkPlan plan;
+    const dim3 grid = chunk_grid(tile, kb_pad, uint64_t(m_pad), steps, gpu_ctas(num_sms, per_sm_chunks),
+                                 true, plan);
     chunks<<<grid, tile_threads(tile), 0, stream>>>(in, gs, out, sf, int32_t(m), int32_t(m_pad), int32_t(k), kb,
-                                                    kb_pad, tile, steps);
+                                                    kb_pad, tile, plan);
     return cudaGetLastError();
   }
   auto kernel = stride;
@@ -966,27 +969,29 @@ cudaError_t launch_experts(const void* input, const float* gs, const int32_t* eo
   const Tile tile0 = make_tile(kb);
   // out_scale tables when a thread has several rows to amortize the table build over
   const int use_tabs = uint64_t(m) >= uint64_t(4) * uint64_t(tile0.rows) * (gpu_ctas(num_sms, 4) / uint64_t((kb + tile0.cols - 1) / tile0.cols)) ? 1 : 0;
-  const size_t smem = size_t(2) * (num_experts + 1) * sizeof(int32_t) + (use_tabs ? kMaxOutTabs * 256 * sizeof(float) : 0);
+  const size_t smem = size_t(2) * (num_experts + 1) * sizeof(int32_t) + (use_tabs ? kMaxOutTabs * kOutScaleTab * sizeof(float) : 0);
   if (experts_tiling<T>(m, k) == TilingChoice::kChunks) {
     auto ckernel = nvfp4_experts_chunks_kernel<T>;
-    const size_t csmem = size_t(2) * (num_experts + 1) * sizeof(int32_t) + kMaxOutTabs * 256 * sizeof(float);
+    const size_t csmem = size_t(2) * (num_experts + 1) * sizeof(int32_t) + kMaxOutTabs * kOutScaleTab * sizeof(float);
     const cudaError_t err = allow_smem(ckernel, csmem);
     if (err != cudaSuccess) return err;
     const Tile ctile = make_tile(kb_pad);
     // 32 rows per CTA (H200, 2026-11-25, % of copy: 65536 x 4096 8 / 16 / 32 rows 61.5 / 66.1 / 67.3, 64 rows
     // 57.0; 65536 x 2048, two rows per step: 16 / 32 steps 66.5 / 61.9)
-    int32_t steps = (32 + ctile.rows - 1) / ctile.rows;
-    const dim3 grid = chunk_grid(ctile, kb_pad, uint64_t(m), steps);
+    static const int per_sm_chunks = resident_ctas(ckernel, csmem);
+    ChunkPlan plan;
+    const dim3 grid = chunk_grid(ctile, kb_pad, uint64_t(m), (32 + ctile.rows - 1) / ctile.rows,
+                                 gpu_ctas(num_sms, per_sm_chunks), true, plan);
     ckernel<<<grid, tile_threads(ctile), csmem, stream>>>(static_cast<const T*>(input), gs, eo, bo, out, sf,
                                                           int32_t(m), int32_t(k), kb, kb_pad, num_experts,
-                                                          int32_t(sf_rows), ctile, steps,
+                                                          int32_t(sf_rows), ctile, plan,
                                                           make_fastdiv(uint32_t(kb_pad / 4)));
     return cudaGetLastError();
   }
   auto kernel = nvfp4_experts_kernel<T>;
   const cudaError_t err = allow_smem(kernel, smem);
   if (err != cudaSuccess) return err;
-  static const int per_sm = resident_ctas(kernel, 2048 * sizeof(int32_t) + kMaxOutTabs * 256 * sizeof(float));
+  static const int per_sm = resident_ctas(kernel, 2048 * sizeof(int32_t) + kMaxOutTabs * kOutScaleTab * sizeof(float));
   const Tile tile = tile0;
   const dim3 grid = tile_grid(tile, kb, uint64_t(m), chunks, num_sms, per_sm);
   kernel<<<grid, tile_threads(tile), smem, stream>>>(static_cast<const T*>(input), gs, eo, bo, out, sf,

@@ -135,10 +135,17 @@ NVQ_HD float absmax_nan16(const uint4* c, const float (&x)[16]) {
     const uint32_t w[8] = {c[0].x, c[0].y, c[0].z, c[0].w, c[1].x, c[1].y, c[1].z, c[1].w};
     uint32_t m;
 #if defined(__CUDA_ARCH__)
-    uint32_t acc = w[0] & 0x7FFF7FFFu;
+    // No per-word sign masking: as unsigned halves the raw patterns order the negative values by
+    // magnitude (above every positive one), as signed halves the positive ones (above every negative
+    // one), so the larger of the two maxima's magnitudes is the block's.
+    uint32_t umax = w[0], smax = w[0];
 #pragma unroll
-    for (int i = 1; i < 8; ++i) acc = __vmaxu2(acc, w[i] & 0x7FFF7FFFu);
-    m = max(acc & 0xFFFFu, acc >> 16);
+    for (int i = 1; i < 8; ++i) {
+      umax = __vmaxu2(umax, w[i]);
+      smax = __vmaxs2(smax, w[i]);
+    }
+    const uint32_t acc = __vmaxs2(__vmaxs2(smax, umax & 0x7FFF7FFFu), 0u);  // per half: max magnitude
+    m = __vmaxu2(acc, acc >> 16) & 0xFFFFu;
 #else
     m = 0;
     for (int i = 0; i < 8; ++i) {

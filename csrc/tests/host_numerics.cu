@@ -6,7 +6,8 @@
 //
 // MODE and ARGS (dtype: 0 bf16, 1 fp16, 2 fp32):
 //   nvfp4 DTYPE M K UE8M0 GS_HEX   -> OUT = codes uint8[M*K/2] ++ linear scales uint8[M*K/16]
-//   e2m1 PATH                       -> fp32[n] in, one code byte per value (PATH 0 small, 1 finite, 2 any)
+//   e2m1 PATH                       -> fp32[n] in, one code byte per value (PATH 0 fast: |y| < 8, taken times
+//                                     kFastScale; 1 finite; 2 any)
 //   e4m3                            -> fp32[n] in, bytes: satfinite(x) ++ satfinite(clamp448(x))
 //   e4m3dec                         -> no input, fp32[256] decoded bytes
 //   div                             -> fp32 pairs (a, b) in, fp32 a/b out
@@ -15,12 +16,15 @@
 //   fp8group DTYPE M K G EPS_HEX UE8M0 -> OUT = e4m3[M*K] ++ scale words uint32[M*K/G] (fp32 bits / byte)
 //   fp8token DTYPE M K              -> OUT = e4m3[M*K] ++ fp32 scale[M]
 //   swizzle KT                      -> int32 pairs (m, k) in, uint32 offsets out
+//   chunks ROWS TROWS COLS TCOLS STEPS RESIDENT TAPER -> no input; int32 grid.x, grid.y, plan steps, then
+//                                     (first row step, steps) of every CTA row y of the chunks kernels' plan
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "../quant/kernel_utils.cuh"
 #include "../quant/nvfp4_block.cuh"
 
 using namespace nvq;
@@ -171,7 +175,9 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < nf; i += 8) {
       float y[8] = {};
       for (size_t j = 0; j < 8 && i + j < nf; ++j) y[j] = f[i + j];
-      const uint32_t w = path == 0   ? e2m1x8_small(y, nibble_signs_f32(y))
+      float ys[8];  // the fast encoder's input: the products times kFastScale
+      for (int j = 0; j < 8; ++j) ys[j] = mul_rn(y[j], kFastScale);
+      const uint32_t w = path == 0   ? e2m1x8_fast(ys, nibble_signs_f32(y))
                          : path == 1 ? e2m1x8_finite(y, nibble_signs_f32(y))
                                      : e2m1x8_any(y);
       for (size_t j = 0; j < 8 && i + j < nf; ++j) out.push_back(uint8_t((w >> (4 * j)) & 0xF));
@@ -198,6 +204,19 @@ int main(int argc, char** argv) {
     const uint32_t kt = uint32_t(arg(1));
     const int32_t* p = reinterpret_cast<const int32_t*>(in.data());
     for (size_t i = 0; i + 1 < in.size() / 4; i += 2) put(out, swizzled_offset(uint32_t(p[i]), uint32_t(p[i + 1]), kt));
+  } else if (mode == "chunks") {
+    const Tile t{int32_t(arg(4)), int32_t(arg(2))};  // cols, rows per step
+    ChunkPlan plan;
+    const dim3 g = chunk_grid(t, int32_t(arg(3)), uint64_t(arg(1)), int32_t(arg(5)), uint64_t(arg(6)), arg(7) != 0,
+                              plan);
+    put(out, int32_t(g.x));
+    put(out, int32_t(g.y));
+    put(out, plan.steps);
+    for (uint32_t y = 0; y < g.y; ++y) {
+      uint32_t n = 0;
+      put(out, int32_t(chunk_run(plan, y, n)));
+      put(out, int32_t(n));
+    }
   } else {
     std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
     return 2;
