@@ -56,7 +56,7 @@ NVQ_HD uint8_t nvfp4_quant_block16_exact(const uint4 (&c)[kChunksPerBlock16<T>],
 // lo/hi receive the codes of values 0-7 and 8-15, element 2i in the low nibble of byte i.
 //
 // Fast path, one test per block: amax * fast out_scale < 7 * kFastScale. It holds when no value is NaN
-// (vn would be NaN, and so would be the scale byte taken from it), the fast out_scale is not NaN (it is
+// (vn would be NaN, which fails the test whatever scale byte it gave), the fast out_scale is not NaN (it is
 // exact and non-negative), and every product is below 7 in magnitude: then no product is NaN, its
 // sign is the sign of x (the signs come straight from the raw bits), and e2m1x8_fast needs no clamp.
 // Every other block (NaN, Inf, a degenerate global scale, a saturated or subnormal scale byte) is redone
