@@ -101,6 +101,25 @@ __device__ __forceinline__ int find_segment(const int32_t* a, int n, int32_t v) 
   return lo;
 }
 
+// Number of entries of the non-decreasing a[0..n) that are <= v, found by the whole warp: each level samples 32
+// evenly spaced entries with one load per lane and keeps the chunk where the count ends (two levels for up to
+// 1024 entries, against ten dependent steps of a binary search). Every lane of the warp must call it with the
+// same arguments; every lane gets the count.
+__device__ __forceinline__ int count_le_warp(const int32_t* a, int n, int64_t v) {
+  const int lane = int(threadIdx.x & 31u);
+  int lo = 0, len = n;  // the count is in [lo, lo + len]
+  while (len > 0) {
+    const int stride = (len + 31) >> 5;
+    const int pos = lo + lane * stride;  // first entry of chunk `lane`
+    const bool le = lane * stride < len && int64_t(a[pos]) <= v;
+    const int k = __popc(__ballot_sync(0xFFFFFFFFu, le));  // chunks that start <= v: a prefix
+    if (k == 0) return lo;
+    lo += (k - 1) * stride + 1;                      // every entry before chunk k-1's second is <= v,
+    len = min(stride - 1, len - (k - 1) * stride - 1);  // chunk k (if any) starts > v
+  }
+  return lo;
+}
+
 // Copy n int32 values to shared memory (16-byte loads where the source is aligned).
 __device__ __forceinline__ void stage_to_smem(int32_t* dst, const int32_t* src, int n) {
   if ((reinterpret_cast<uintptr_t>(src) & 15) == 0) {

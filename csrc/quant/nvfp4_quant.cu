@@ -270,16 +270,16 @@ __global__ void __launch_bounds__(kThreads, kIs16Bit<T> && !UE8M0 ? 6 : 1)
 constexpr int kMaxOutTabs = 8;  // per-CTA out_scale tables (one per expert of the CTA's row slice)
 
 // The out_scale tables of the experts that own rows [a, b) of a CTA, one 256-entry table per expert from
-// e_first (CTA-uniform; every thread must call it; no barrier). Returns the number of tables, 0 when the rows
-// span more than kMaxOutTabs experts (the caller then computes out_scale per block) or none.
+// e_first (CTA-uniform; every thread must call it, whole warps; no barrier). Returns the number of tables, 0 when
+// the rows span more than kMaxOutTabs experts (the caller then computes out_scale per block) or none.
 __device__ __forceinline__ int build_expert_out_tables(const int32_t* eo, int num_experts,
                                                        const float* __restrict__ gsp, int32_t a, int32_t b,
                                                        float* otab, int& e_first) {
   int n_tab = 0;
   e_first = 0;
   if (a < b) {
-    e_first = find_segment(eo, num_experts, a);
-    n_tab = find_segment(eo, num_experts, b - 1) - e_first + 1;
+    e_first = count_le_warp(eo, num_experts, a) - 1;  // find_segment(eo, num_experts, a)
+    n_tab = count_le_warp(eo, num_experts, b - 1) - e_first;
     if (n_tab > kMaxOutTabs) n_tab = 0;
   }
   for (int i = threadIdx.x; i < n_tab * 256; i += blockDim.x) {
@@ -409,20 +409,6 @@ __device__ __forceinline__ void zero_scale_rows(uint8_t* __restrict__ sf, int32_
   }
 }
 
-// Smallest e in [0, n) with a[e + 1] > v (n if none), for a non-decreasing a[1..n].
-__device__ __forceinline__ int first_end_above(const int32_t* a, int n, int64_t v) {
-  int lo = 0, hi = n;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (int64_t(a[mid + 1]) > v) {
-      hi = mid;
-    } else {
-      lo = mid + 1;
-    }
-  }
-  return lo;
-}
-
 // Grouped by expert, in chunks (experts_tiling): nvfp4_dense_chunks_kernel's order over the input rows. CTA y takes
 // a run of consecutive row steps (32 rows; the last two waves half and quarter runs, ChunkPlan: H200, 2026-11-26,
 // 8192 tokens x 2048 / 4096 / 7168 72.4 / 71.5 / 76.9 -> 74.0 / 76.5 / 78.9% of copy), so the many-wave grid
@@ -460,6 +446,10 @@ __global__ void __launch_bounds__(kThreads, kIs16Bit<T> ? 5 : 1)
   const int32_t first = eo[0], last = eo[num_experts];
   int e_first = 0;
   const int n_tab = build_expert_out_tables(eo, num_experts, gsp, max(R0, first), min(R1, last), otab, e_first);
+  // the experts whose last row (clamped to [0, m)) lies in [R0, R1): [ea, eb), ea the smallest e with
+  // eo[e + 1] > R0 (0 for the first CTA), eb that of R1 (E for the last); counted by whole warps
+  const int ea = R0 == 0 ? 0 : count_le_warp(eo + 1, num_experts, R0);
+  const int eb = R1 >= m ? num_experts : count_le_warp(eo + 1, num_experts, R1);
   __syncthreads();
   const uint32_t kt = uint32_t(kb_pad) >> 2;
   if (active) {
@@ -472,12 +462,13 @@ __global__ void __launch_bounds__(kThreads, kIs16Bit<T> ? 5 : 1)
       if (col < kb) st8(q, make_uint2(0, 0));  // rows before the first expert
     }
     // One run of rows per expert, each a loop like the dense kernel's (the expert's global scale, out_scale
-    // table and scale-row offset fixed): rows ascend, so a search for the first expert, then a linear advance.
+    // table and scale-row offset fixed): rows ascend, so the expert of the CTA's first row (e_first; a search
+    // only if this thread's first row lies past it), then a linear advance.
     int e = -1;
     const int32_t r_last = min(R1, last);
     while (r < r_last) {
       if (e < 0) {
-        e = find_segment(eo, num_experts, r);
+        e = eo[e_first + 1] > r ? e_first : find_segment(eo, num_experts, r);
       } else {
         do ++e;
         while (eo[e + 1] <= r);
@@ -507,10 +498,7 @@ __global__ void __launch_bounds__(kThreads, kIs16Bit<T> ? 5 : 1)
     for (; r < R1; r += tile.rows, p += step_in, q += step_out) {
       if (col < kb) st8(q, make_uint2(0, 0));  // rows from the last expert's end
     }
-    // the padding scale rows of the experts whose last row (clamped to [0, m)) lies in [R0, R1), and those of
-    // rows past m that an offset names
-    const int ea = R0 == 0 ? 0 : first_end_above(eo, num_experts, R0);
-    const int eb = R1 >= m ? num_experts : first_end_above(eo, num_experts, R1);
+    // the padding scale rows of the experts [ea, eb), and those of rows past m that an offset names
     for (int x = ea; x < eb; ++x) {
       const int32_t written = max(min(eo[x + 1], m) - eo[x], 0);  // scale rows of the expert's rows below m
       const int32_t pa = max(bo[x] + written, 0), pb = min(bo[x + 1], sf_rows);
