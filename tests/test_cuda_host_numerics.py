@@ -231,13 +231,12 @@ def test_swizzle_offsets(driver, tmp_path):
     (1, 1, 256, 256, 8, 792),
     (70_000_000, 1, 256, 256, 8, 792),    # grid.y over 65535: the runs double
 ])
-@pytest.mark.parametrize("taper", [0, 1])
-def test_chunk_plan_covers_every_row_step_once(driver, tmp_path, rows, trows, cols, tcols, steps, resident, taper):
+def test_chunk_plan_covers_every_row_step_once(driver, tmp_path, rows, trows, cols, tcols, steps, resident):
     """csrc chunk_grid / chunk_run: the CTA rows' runs tile [0, row steps) in order, back to back, with no gap
-    or overlap past the end; tapered, the last wave (and the remainder) of CTA rows takes quarter runs and the
-    wave before it half runs."""
-    out = torch.frombuffer(bytearray(run(driver, tmp_path, "chunks", b"", rows, trows, cols, tcols, steps, resident,
-                                         taper)), dtype=torch.int32).long()
+    or overlap past the end; where the rows fill more than two waves, the last wave (and the remainder) of CTA
+    rows takes quarter runs and the wave before it half runs, else every run is equal."""
+    out = torch.frombuffer(bytearray(run(driver, tmp_path, "chunks", b"", rows, trows, cols, tcols, steps, resident)),
+                           dtype=torch.int32).long()
     gx, gy, s = out[:3].tolist()
     runs = out[3:].reshape(-1, 2)
     row_steps = nx.ceil_div(rows, trows)
@@ -246,7 +245,7 @@ def test_chunk_plan_covers_every_row_step_once(driver, tmp_path, rows, trows, co
     assert begins[0] == 0 and torch.equal(begins[1:], begins[:-1] + lengths[:-1])  # back to back
     assert begins[-1] < row_steps <= begins[-1] + lengths[-1]  # the last run reaches the end, none starts past it
     wave = max(resident // gx, 1)
-    if taper and row_steps > wave * (s // 2 + s // 4):
+    if row_steps > wave * (s // 2 + s // 4):
         n_full, n_half, n_quarter = [int((lengths == v).sum()) for v in (s, s // 2, s // 4)]
         assert n_full + n_half + n_quarter == gy and n_half == wave  # full runs, one wave of halves, ...
         assert wave <= n_quarter < wave + 4  # ... then at least a wave of quarters (the remainder's too)

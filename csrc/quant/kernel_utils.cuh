@@ -262,9 +262,9 @@ NVQ_HD uint32_t chunk_run(const ChunkPlan& p, uint32_t y, uint32_t& n) {
 }
 
 // Grid and plan of a chunks kernel: x = column tiles, y = row-step runs of `steps` (doubled until grid.y fits
-// its 65535 limit). With `taper`, the last wave of `resident` CTAs (the whole GPU) takes quarter runs and
-// the wave before it half runs, where the rows fill more than those two waves.
-inline dim3 chunk_grid(const Tile& t, int32_t cols, uint64_t rows, int32_t steps, uint64_t resident, bool taper,
+// its 65535 limit). The last wave of `resident` CTAs (the whole GPU) takes quarter runs and the wave before it
+// half runs, where the rows fill more than those two waves; fewer rows take equal runs.
+inline dim3 chunk_grid(const Tile& t, int32_t cols, uint64_t rows, int32_t steps, uint64_t resident,
                        ChunkPlan& plan) {
   const uint64_t gx = uint64_t((cols + t.cols - 1) / t.cols);
   const uint64_t row_steps = (rows + uint64_t(t.rows) - 1) / uint64_t(t.rows);
@@ -272,7 +272,7 @@ inline dim3 chunk_grid(const Tile& t, int32_t cols, uint64_t rows, int32_t steps
     const uint64_t s = uint64_t(steps), h = chunk_half(uint32_t(steps)), q = chunk_quarter(uint32_t(steps));
     const uint64_t wave = resident / gx > 0 ? resident / gx : 1;  // CTA rows resident at once
     uint64_t y1, y2, gy;
-    if (taper && row_steps > wave * (h + q)) {
+    if (row_steps > wave * (h + q)) {
       y1 = (row_steps - wave * (h + q)) / s;
       y2 = y1 + wave;
       gy = y2 + (row_steps - y1 * s - wave * h + q - 1) / q;

@@ -268,6 +268,10 @@ __global__ void __launch_bounds__(kThreads, kIs16Bit<T> && !UE8M0 ? 6 : 1)
 // thread caches the expert of its last row (its rows ascend).
 // ------------------------------------------------------------------------------------------------
 constexpr int kMaxOutTabs = 8;  // per-CTA out_scale tables (one per expert of the CTA's row slice)
+// Shared memory of the experts kernels for up to 1023 experts (offsets staged twice, and the out_scale tables):
+// what their occupancy queries assume, cached once per process. More experts only make the estimate high
+// (grid sizing, the chunks' tapered waves), never the result wrong.
+constexpr size_t kExpertsSmemBound = 2048 * sizeof(int32_t) + kMaxOutTabs * kOutScaleTab * sizeof(float);
 
 // The out_scale tables of the experts that own rows [a, b) of a CTA, one 256-entry table per expert from
 // e_first (CTA-uniform; every thread must call it, whole warps; no barrier). Returns the number of tables, 0 when
@@ -897,8 +901,7 @@ cudaError_t launch_dense(const void* input, const float* gs, uint8_t* out, uint8
   const T* in = static_cast<const T*>(input);
   if (tiling == TilingChoice::kChunks) {
     ChunkPlan plan;
-    const dim3 grid = chunk_grid(tile, kb_pad, uint64_t(m_pad), steps, gpu_ctas(num_sms, per_sm_chunks),
-                                 true, plan);
+    const dim3 grid = chunk_grid(tile, kb_pad, uint64_t(m_pad), steps, gpu_ctas(num_sms, per_sm_chunks), plan);
     chunks<<<grid, tile_threads(tile), 0, stream>>>(in, gs, out, sf, int32_t(m), int32_t(m_pad), int32_t(k), kb,
                                                     kb_pad, tile, plan);
     return cudaGetLastError();
@@ -966,10 +969,11 @@ cudaError_t launch_experts(const void* input, const float* gs, const int32_t* eo
     const Tile ctile = make_tile(kb_pad);
     // 32 rows per CTA (H200, 2026-11-25, % of copy: 65536 x 4096 8 / 16 / 32 rows 61.5 / 66.1 / 67.3, 64 rows
     // 57.0; 65536 x 2048, two rows per step: 16 / 32 steps 66.5 / 61.9)
-    static const int per_sm_chunks = resident_ctas(ckernel, csmem);
+    // resident CTAs for the plan's tapered waves (csmem depends on num_experts: a fixed bound, queried once)
+    static const int per_sm_chunks = resident_ctas(ckernel, kExpertsSmemBound);
     ChunkPlan plan;
     const dim3 grid = chunk_grid(ctile, kb_pad, uint64_t(m), (32 + ctile.rows - 1) / ctile.rows,
-                                 gpu_ctas(num_sms, per_sm_chunks), true, plan);
+                                 gpu_ctas(num_sms, per_sm_chunks), plan);
     ckernel<<<grid, tile_threads(ctile), csmem, stream>>>(static_cast<const T*>(input), gs, eo, bo, out, sf,
                                                           int32_t(m), int32_t(k), kb, kb_pad, num_experts,
                                                           int32_t(sf_rows), ctile, plan,
@@ -979,7 +983,7 @@ cudaError_t launch_experts(const void* input, const float* gs, const int32_t* eo
   auto kernel = nvfp4_experts_kernel<T>;
   const cudaError_t err = allow_smem(kernel, smem);
   if (err != cudaSuccess) return err;
-  static const int per_sm = resident_ctas(kernel, 2048 * sizeof(int32_t) + kMaxOutTabs * kOutScaleTab * sizeof(float));
+  static const int per_sm = resident_ctas(kernel, kExpertsSmemBound);
   const Tile tile = tile0;
   const dim3 grid = tile_grid(tile, kb, uint64_t(m), chunks, num_sms, per_sm);
   kernel<<<grid, tile_threads(tile), smem, stream>>>(static_cast<const T*>(input), gs, eo, bo, out, sf,

@@ -6,7 +6,7 @@
 //
 // MODE and ARGS (dtype: 0 bf16, 1 fp16, 2 fp32):
 //   nvfp4 DTYPE M K UE8M0 GS_HEX   -> OUT = codes uint8[M*K/2] ++ linear scales uint8[M*K/16]
-//   e2m1 PATH                       -> fp32[n] in, one code byte per value (PATH 0 fast: |y| < 8, taken times
+//   e2m1 PATH                       -> fp32[n] in, one code byte per value (PATH 0 fast: |y| < 7, taken times
 //                                     kFastScale; 1 finite; 2 any)
 //   e4m3                            -> fp32[n] in, bytes: satfinite(x) ++ satfinite(clamp448(x))
 //   e4m3dec                         -> no input, fp32[256] decoded bytes
@@ -16,7 +16,7 @@
 //   fp8group DTYPE M K G EPS_HEX UE8M0 -> OUT = e4m3[M*K] ++ scale words uint32[M*K/G] (fp32 bits / byte)
 //   fp8token DTYPE M K              -> OUT = e4m3[M*K] ++ fp32 scale[M]
 //   swizzle KT                      -> int32 pairs (m, k) in, uint32 offsets out
-//   chunks ROWS TROWS COLS TCOLS STEPS RESIDENT TAPER -> no input; int32 grid.x, grid.y, plan steps, then
+//   chunks ROWS TROWS COLS TCOLS STEPS RESIDENT -> no input; int32 grid.x, grid.y, plan steps, then
 //                                     (first row step, steps) of every CTA row y of the chunks kernels' plan
 #include <cstdio>
 #include <cstdlib>
@@ -207,8 +207,7 @@ int main(int argc, char** argv) {
   } else if (mode == "chunks") {
     const Tile t{int32_t(arg(4)), int32_t(arg(2))};  // cols, rows per step
     ChunkPlan plan;
-    const dim3 g = chunk_grid(t, int32_t(arg(3)), uint64_t(arg(1)), int32_t(arg(5)), uint64_t(arg(6)), arg(7) != 0,
-                              plan);
+    const dim3 g = chunk_grid(t, int32_t(arg(3)), uint64_t(arg(1)), int32_t(arg(5)), uint64_t(arg(6)), plan);
     put(out, int32_t(g.x));
     put(out, int32_t(g.y));
     put(out, plan.steps);
