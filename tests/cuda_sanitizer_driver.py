@@ -75,6 +75,13 @@ def main() -> int:
     bo[1:] += 64
     ops.scaled_fp4_experts_quant(x, torch.rand(6, device="cuda") + 0.1, eo, bo)
     del x
+    # 4 L2 sizes at K=2048: the chunks kernel with its bulk-copy ring (csrc bulk_ring.cuh), 10 tail rows
+    rows = (4 * l2) // 4096 + 165
+    x = torch.randn(rows, 2048, device="cuda").to(torch.bfloat16)
+    cuts = sorted(torch.randint(0, rows - 10, (4,)).tolist())
+    eo = torch.tensor([0, 0, *cuts, rows - 10], dtype=torch.int32, device="cuda")
+    ops.scaled_fp4_experts_quant(x, torch.rand(6, device="cuda") + 0.1, eo, nx.blockscale_offsets_from_expert_offsets(eo))
+    del x
     done.append("scaled_fp4_experts_quant")
 
     for dtype in (torch.bfloat16, torch.float32):

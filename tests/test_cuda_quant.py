@@ -188,11 +188,10 @@ def test_scaled_fp4_experts_quant_fuzz(cuda_ops, dtype):
                 assert_same_bytes(s, s_ref, what + " scales")
 
 
-def _large_experts_case(cuda_ops, dtype, seed: int, shift_offsets: int = 0) -> None:
+def _large_experts_case(cuda_ops, dtype, seed: int, shift_offsets: int = 0, k: int = 1040) -> None:
     """6 x L2 of input over 64 experts (the experts chunks kernel, csrc experts_tiling): empty experts, rows
-    past the last offset, the scale tail, padding columns (K=1040). shift_offsets moves every expert but the
-    first that many scale rows down."""
-    k = 1040
+    past the last offset, the scale tail, padding columns (K=1040; K=2048 streams through the bulk-copy ring,
+    csrc bulk_ring.cuh). shift_offsets moves every expert but the first that many scale rows down."""
     m = _row_group_rows(k, torch.empty((), dtype=dtype).element_size(), l2_times=6)
     eo = routing(m, 64, seed=seed, tail=5).cuda()
     bo = nx.blockscale_offsets_from_expert_offsets(eo).clone()
@@ -210,6 +209,10 @@ def _large_experts_case(cuda_ops, dtype, seed: int, shift_offsets: int = 0) -> N
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_scaled_fp4_experts_quant_large_row_groups(cuda_ops, dtype):
     _large_experts_case(cuda_ops, dtype, seed=11)
+
+
+def test_scaled_fp4_experts_quant_large_bulk_ring(cuda_ops):
+    _large_experts_case(cuda_ops, torch.bfloat16, seed=17, k=2048)
 
 
 def test_scaled_fp4_experts_quant_large_unaligned_blockscale_offsets(cuda_ops):

@@ -307,9 +307,9 @@ inline dim3 chunk_grid(const Tile& t, int32_t cols, uint64_t rows, int32_t steps
   return cudaErrorInvalidValue
 
 template <class Kernel>
-inline int resident_ctas(Kernel kernel, size_t smem = 0) {
+inline int resident_ctas(Kernel kernel, size_t smem = 0, int threads = kThreads) {
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem) != cudaSuccess || n < 1) n = 1;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess || n < 1) n = 1;
   return n;
 }
 

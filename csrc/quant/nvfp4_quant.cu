@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "bulk_ring.cuh"
 #include "kernel_utils.cuh"
 #include "launch.h"
 #include "numerics.cuh"
@@ -423,27 +424,49 @@ __device__ __forceinline__ void zero_scale_rows(uint8_t* __restrict__ sf, int32_
 // [bo[e] + rows, bo[e+1]) in its columns, right after the expert's last scale sector was written; the scale
 // rows before bo[0] and from bo[E] are zeroed by the whole grid; rows of no expert get zero codes.
 // Built for 5 resident CTAs per SM with 16-bit inputs (48 registers; bf16 measured 47-53% of copy at 64
-// registers against 65-78% at 48, 65536-262144 rows; fp16 spills 16 bytes there).
-template <typename T>
-__global__ void __launch_bounds__(kThreads, kIs16Bit<T> ? 5 : 1)
+// registers against 65-78% at 48, 65536-262144 rows; fp16 spills 16 bytes there). RING: the input streams through
+// a bulk-copy ring (bulk_ring.cuh; a producer warp after the tile's threads, 4 resident CTAs, 56 registers): H200,
+// 2026-11-26, E = 256, % of copy, 8192 tokens x 2048 / 4096 / 7168 76.2 / 75.7 / 78.0 -> 78.9 / 76.4 / 80.4, 32768
+// tokens 87.7 / 88.4 / 88.7 -> 93.1 / 91.4 / 93.2 (the ring's latency hiding pays here, not in the dense kernels:
+// PERF_NOTES, thirteenth session).
+template <typename T, bool RING>
+__global__ void __launch_bounds__(kThreads + (RING ? kRingThreads : 0), kIs16Bit<T> ? (RING ? 4 : 5) : 1)
     nvfp4_experts_chunks_kernel(const T* __restrict__ in, const float* __restrict__ gsp,
                                 const int32_t* __restrict__ eo_g, const int32_t* __restrict__ bo_g,
                                 uint8_t* __restrict__ out, uint8_t* __restrict__ sf, int32_t m, int32_t k, int32_t kb,
                                 int32_t kb_pad, int num_experts, int32_t sf_rows, Tile tile, ChunkPlan plan,
                                 FastDiv kt_div) {
-  extern __shared__ int32_t smem[];
-  int32_t* eo = smem;
-  int32_t* bo = smem + num_experts + 1;
-  float* otab = reinterpret_cast<float*>(smem + 2 * (num_experts + 1));  // [kMaxOutTabs][kOutScaleTab]
+  extern __shared__ __align__(128) uint8_t dyn_smem[];  // [RING: ring_smem_bytes<T>()] eo, bo, out_scale tables
+  int32_t* eo = reinterpret_cast<int32_t*>(dyn_smem + (RING ? ring_smem_bytes<T>() : 0));
+  int32_t* bo = eo + num_experts + 1;
+  float* otab = reinterpret_cast<float*>(eo + 2 * (num_experts + 1));  // [kMaxOutTabs][kOutScaleTab]
   const int32_t ty = int32_t(threadIdx.x) / tile.cols;
   const int32_t col = int32_t(blockIdx.x) * tile.cols + (int32_t(threadIdx.x) - ty * tile.cols);
-  const bool active = ty < tile.rows && col < kb_pad;  // the CTA has kThreads threads, the tile may use fewer
+  const bool producer = RING && threadIdx.x >= blockDim.x - kRingThreads;
+  // the CTA has kThreads threads (RING: and the producer warp), the tile may use fewer; RING (tile.cols a
+  // multiple of 32): whole warps consume, the lanes past kb_pad idle in the loops
+  const bool active = !producer && ty < tile.rows && (RING ? col - int32_t(threadIdx.x & 31u) : col) < kb_pad;
+  const bool sf_col = !RING || col < kb_pad;
   uint32_t n_steps;
   const int32_t R0 = int32_t(chunk_run(plan, blockIdx.y, n_steps)) * tile.rows;
   const int32_t R1 = min(m, R0 + int32_t(n_steps) * tile.rows);
   const int32_t r0 = R0 + ty;
   uint4 c[kChunksPerBlock16<T>];
-  if (active && col < kb && r0 < R1) load_block16<T>(in + int64_t(r0) * k + col * 16, c);  // before the setup
+  // RING: load j is row step j of the CTA tile (every row of [R0, R1), the rows of no expert too)
+  const int32_t cta_c0 = int32_t(blockIdx.x) * tile.cols;
+  const uint32_t warps = uint32_t(tile.rows) * ((min(tile.cols, kb_pad - cta_c0) + 31) / 32);  // consumer warps
+  const Ring<T> ring{dyn_smem, 32u * (warps + 1u)};
+  const uint32_t seg = uint32_t(min(kb - cta_c0, tile.cols));  // blocks per row of the CTA tile
+  const auto src_of = [&](uint32_t j) { return in + (int64_t(R0) + int64_t(j) * tile.rows) * k + cta_c0 * 16; };
+  const auto bytes_of = [&](uint32_t j) {
+    return uint32_t(min(tile.rows, R1 - (R0 + int32_t(j) * tile.rows))) * seg * 16u * uint32_t(sizeof(T));
+  };
+  const uint32_t loads = R0 < R1 ? uint32_t(R1 - R0 + tile.rows - 1) / uint32_t(tile.rows) : 0u;
+  if constexpr (RING) {
+    if (producer) ring.start(loads, src_of, bytes_of);
+  } else {
+    if (active && col < kb && r0 < R1) load_block16<T>(in + int64_t(r0) * k + col * 16, c);  // before the setup
+  }
   stage_to_smem(eo, eo_g, num_experts + 1);
   stage_to_smem(bo, bo_g, num_experts + 1);
   __syncthreads();
@@ -456,13 +479,21 @@ __global__ void __launch_bounds__(kThreads, kIs16Bit<T> ? 5 : 1)
   const int eb = R1 >= m ? num_experts : count_le_warp(eo + 1, num_experts, R1);
   __syncthreads();
   const uint32_t kt = uint32_t(kb_pad) >> 2;
-  if (active) {
+  if (producer) {
+    ring.produce(loads, src_of, bytes_of);
+  } else if (active) {
     const uint32_t colpart = swz_col(uint32_t(col));
     const T* p = in + int64_t(r0) * k + col * 16;
     uint8_t* q = out + int64_t(r0) * (k / 2) + col * 8;
     const int64_t step_in = int64_t(tile.rows) * k, step_out = int64_t(tile.rows) * (k / 2);
+    const uint32_t off = (uint32_t(ty) * seg + uint32_t(col - cta_c0)) * 16u * uint32_t(sizeof(T));  // in a slot
+    uint32_t i = 0;  // RING: the next load
+    const auto ring_next = [&](const T* p) { ring.next(i, c, off, col < kb ? p : nullptr); };
+    // RING: a row of no expert: nothing reads the slot, so it is released without loading from it
+    const auto ring_skip = [&](const T*) { ring.skip(i++); };
     int32_t r = r0;
     for (const int32_t z = min(R1, first); r < z; r += tile.rows, p += step_in, q += step_out) {
+      if constexpr (RING) ring_skip(p);
       if (col < kb) st8(q, make_uint2(0, 0));  // rows before the first expert
     }
     // One run of rows per expert, each a loop like the dense kernel's (the expert's global scale, out_scale
@@ -483,14 +514,16 @@ __global__ void __launch_bounds__(kThreads, kIs16Bit<T> ? 5 : 1)
       const auto run = [&](const auto& os) {
         for (; r < run_end; r += tile.rows, p += step_in, q += step_out) {
           uint8_t sc = 0;
+          if constexpr (RING) ring_next(p);
           if (col < kb) {
-            if (r != r0) load_block16<T>(p, c);
+            if (!RING && r != r0) load_block16<T>(p, c);
             uint32_t qlo, qhi;
             sc = nvfp4_quant_block16<T, false>(c, gs, os, qlo, qhi);
             st8(q, make_uint2(qlo, qhi));
           }
+          if constexpr (RING) ring.release(i++);  // after lane 0's block was quantized (Ring::release)
           const int32_t srow = r + to_scale_row;
-          if (uint32_t(srow) < uint32_t(sf_rows)) sf[swz_row(uint32_t(srow), kt) + colpart] = sc;
+          if (sf_col && uint32_t(srow) < uint32_t(sf_rows)) sf[swz_row(uint32_t(srow), kt) + colpart] = sc;
         }
       };
       if (n_tab > 0) {
@@ -500,13 +533,14 @@ __global__ void __launch_bounds__(kThreads, kIs16Bit<T> ? 5 : 1)
       }
     }
     for (; r < R1; r += tile.rows, p += step_in, q += step_out) {
+      if constexpr (RING) ring_skip(p);
       if (col < kb) st8(q, make_uint2(0, 0));  // rows from the last expert's end
     }
     // the padding scale rows of the experts [ea, eb), and those of rows past m that an offset names
     for (int x = ea; x < eb; ++x) {
       const int32_t written = max(min(eo[x + 1], m) - eo[x], 0);  // scale rows of the expert's rows below m
       const int32_t pa = max(bo[x] + written, 0), pb = min(bo[x + 1], sf_rows);
-      for (int32_t sr = pa + ty; sr < pb; sr += tile.rows) sf[swz_row(uint32_t(sr), kt) + colpart] = 0;
+      for (int32_t sr = pa + ty; sf_col && sr < pb; sr += tile.rows) sf[swz_row(uint32_t(sr), kt) + colpart] = 0;
     }
   }
   zero_scale_rows(sf, 0, min(max(bo[0], 0), sf_rows), kt_div);
@@ -945,6 +979,26 @@ cudaError_t allow_smem(Kernel kernel, size_t smem) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
 }
 
+// The experts chunks kernel streams its input through a bulk-copy ring (bulk_ring.cuh) where the CTA's warps each
+// read consecutive blocks of one row (tile.cols a multiple of 32), a row step is one contiguous copy (one row, or
+// whole rows) and its bytes fit 32 bits.
+// NVFP4_PLUGIN_QUANT_BULK=0 turns the rings off (direct loads), for benchmarks and tests; read once per process.
+template <typename T>
+bool ring_fits(const Tile& tile, int64_t k) {
+  static const bool on = [] {
+    const char* v = std::getenv("NVFP4_PLUGIN_QUANT_BULK");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return on && tile.cols % 32 == 0 && (tile.rows == 1 || int64_t(tile.cols) * 16 >= k) &&
+         int64_t(tile.rows) * k * int64_t(sizeof(T)) < (int64_t(1) << 31);
+}
+
+// Resident CTAs per SM of a ring kernel (its dynamic shared memory opted in first), 0 if it cannot launch.
+template <class Kernel>
+int ring_resident_ctas(Kernel kernel, size_t smem) {
+  return allow_smem(kernel, smem) == cudaSuccess ? resident_ctas(kernel, smem, kThreads + kRingThreads) : 0;
+}
+
 template <typename T>
 cudaError_t launch_experts(const void* input, const float* gs, const int32_t* eo, const int32_t* bo, uint8_t* out,
                            uint8_t* sf, int64_t m, int64_t k, int num_experts, int64_t sf_rows, int num_sms,
@@ -962,22 +1016,27 @@ cudaError_t launch_experts(const void* input, const float* gs, const int32_t* eo
   const int use_tabs = uint64_t(m) >= uint64_t(4) * uint64_t(tile0.rows) * (gpu_ctas(num_sms, 4) / uint64_t((kb + tile0.cols - 1) / tile0.cols)) ? 1 : 0;
   const size_t smem = size_t(2) * (num_experts + 1) * sizeof(int32_t) + (use_tabs ? kMaxOutTabs * kOutScaleTab * sizeof(float) : 0);
   if (experts_tiling<T>(m, k) == TilingChoice::kChunks) {
-    auto ckernel = nvfp4_experts_chunks_kernel<T>;
-    const size_t csmem = size_t(2) * (num_experts + 1) * sizeof(int32_t) + kMaxOutTabs * kOutScaleTab * sizeof(float);
+    const Tile ctile = make_tile(kb_pad);
+    static const int per_sm_plain = resident_ctas(nvfp4_experts_chunks_kernel<T, false>, kExpertsSmemBound);
+    static const int per_sm_ring =
+        ring_resident_ctas(nvfp4_experts_chunks_kernel<T, true>, ring_smem_bytes<T>() + kExpertsSmemBound);
+    const bool ring = per_sm_ring > 0 && ring_fits<T>(ctile, k);
+    auto ckernel = ring ? nvfp4_experts_chunks_kernel<T, true> : nvfp4_experts_chunks_kernel<T, false>;
+    const size_t csmem = (ring ? ring_smem_bytes<T>() : 0) + size_t(2) * (num_experts + 1) * sizeof(int32_t) +
+                         kMaxOutTabs * kOutScaleTab * sizeof(float);
     const cudaError_t err = allow_smem(ckernel, csmem);
     if (err != cudaSuccess) return err;
-    const Tile ctile = make_tile(kb_pad);
     // 32 rows per CTA (H200, 2026-11-25, % of copy: 65536 x 4096 8 / 16 / 32 rows 61.5 / 66.1 / 67.3, 64 rows
     // 57.0; 65536 x 2048, two rows per step: 16 / 32 steps 66.5 / 61.9)
     // resident CTAs for the plan's tapered waves (csmem depends on num_experts: a fixed bound, queried once)
-    static const int per_sm_chunks = resident_ctas(ckernel, kExpertsSmemBound);
+    const int per_sm_chunks = ring ? per_sm_ring : per_sm_plain;
     ChunkPlan plan;
     const dim3 grid = chunk_grid(ctile, kb_pad, uint64_t(m), (32 + ctile.rows - 1) / ctile.rows,
                                  gpu_ctas(num_sms, per_sm_chunks), plan);
-    ckernel<<<grid, tile_threads(ctile), csmem, stream>>>(static_cast<const T*>(input), gs, eo, bo, out, sf,
-                                                          int32_t(m), int32_t(k), kb, kb_pad, num_experts,
-                                                          int32_t(sf_rows), ctile, plan,
-                                                          make_fastdiv(uint32_t(kb_pad / 4)));
+    const int threads = tile_threads(ctile) + (ring ? kRingThreads : 0);
+    ckernel<<<grid, threads, csmem, stream>>>(static_cast<const T*>(input), gs, eo, bo, out, sf, int32_t(m),
+                                              int32_t(k), kb, kb_pad, num_experts, int32_t(sf_rows), ctile, plan,
+                                              make_fastdiv(uint32_t(kb_pad / 4)));
     return cudaGetLastError();
   }
   auto kernel = nvfp4_experts_kernel<T>;
