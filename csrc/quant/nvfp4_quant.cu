@@ -514,11 +514,9 @@ __global__ void __launch_bounds__(kThreads + (RING ? kRingThreads : 0), kIs16Bit
     const uint32_t off = (uint32_t(ty) * seg + uint32_t(col - cta_c0)) * 16u * uint32_t(sizeof(T));  // in a slot
     uint32_t i = 0;  // RING: the next load
     const auto ring_next = [&](const T* p) { ring.next(i, c, off, col < kb ? p : nullptr); };
-    // RING: a row of no expert: nothing reads the slot, so it is released without loading from it
-    const auto ring_skip = [&](const T*) { ring.skip(i++); };
     int32_t r = r0;
     for (const int32_t z = min(R1, first); r < z; r += tile.rows, p += step_in, q += step_out) {
-      if constexpr (RING) ring_skip(p);
+      if constexpr (RING) ring.skip(i++);  // a row of no expert: its slot is released unread
       if (col < kb) st8(q, make_uint2(0, 0));  // rows before the first expert
     }
     // One run of rows per expert, each a loop like the dense kernel's (the expert's global scale, out_scale
@@ -558,7 +556,7 @@ __global__ void __launch_bounds__(kThreads + (RING ? kRingThreads : 0), kIs16Bit
       }
     }
     for (; r < R1; r += tile.rows, p += step_in, q += step_out) {
-      if constexpr (RING) ring_skip(p);
+      if constexpr (RING) ring.skip(i++);
       if (col < kb) st8(q, make_uint2(0, 0));  // rows from the last expert's end
     }
   }
