@@ -187,14 +187,12 @@ __device__ __forceinline__ void load_block16(const T* p, uint4 (&c)[kChunksPerBl
   for (int i = 0; i < kChunksPerBlock16<T>; ++i) c[i] = ld_nc16(p + i * Chunk<T>::kElems);
 }
 
-// Zero the 16-byte chunk `c` of a swizzled scale region (128-row tiles of k_tiles 512-byte tiles),
-// except the 4-byte row groups whose row `keep(row)` says the quantization units write.
-// Chunk c holds rows (c/32 / k_tiles)*128 + c%32 + 32*i, i = 0..3, four scale columns each.
+// Zero the 16-byte run `p` of a swizzled scale atom (rows row0, row0 + 32, row0 + 64, row0 + 96, four scale columns
+// each), except the 4-byte row groups whose row `keep(row)` says the quantization units write: one 16-byte store
+// when no row is kept.
 template <class Keep>
-__device__ __forceinline__ void zero_scale_chunk(uint8_t* region, uint32_t c, const FastDiv& k_tiles, Keep keep) {
-  const uint32_t row0 = fdiv(k_tiles, c >> 5) * 128 + (c & 31);
+__device__ __forceinline__ void zero_scale_run(uint8_t* p, uint32_t row0, Keep keep) {
   const bool k0 = keep(row0), k1 = keep(row0 + 32), k2 = keep(row0 + 64), k3 = keep(row0 + 96);
-  uint8_t* p = region + uint64_t(c) * 16;
   if (!(k0 | k1 | k2 | k3)) {
     st16(p, make_uint4(0, 0, 0, 0));
   } else {
@@ -203,6 +201,13 @@ __device__ __forceinline__ void zero_scale_chunk(uint8_t* region, uint32_t c, co
     if (!k2) *reinterpret_cast<uint32_t*>(p + 8) = 0;
     if (!k3) *reinterpret_cast<uint32_t*>(p + 12) = 0;
   }
+}
+
+// Zero the 16-byte chunk `c` of a swizzled scale region (128-row tiles of k_tiles 512-byte tiles) but the kept rows
+// (zero_scale_run). Chunk c holds rows (c/32 / k_tiles)*128 + c%32 + 32*i, i = 0..3, four scale columns each.
+template <class Keep>
+__device__ __forceinline__ void zero_scale_chunk(uint8_t* region, uint32_t c, const FastDiv& k_tiles, Keep keep) {
+  zero_scale_run(region + uint64_t(c) * 16, fdiv(k_tiles, c >> 5) * 128 + (c & 31), keep);
 }
 
 #endif  // __CUDACC__

@@ -402,35 +402,26 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Word wi (0..127) of the atom (128-row block blk, 4-column group g; kt groups per row) of a swizzled scale tensor,
-// zeroed if its row lies in [a, b). Consecutive wi are consecutive 4-byte words: rows (wi & 3) * 32 + (wi >> 2).
-__device__ __forceinline__ void zero_atom_word(uint8_t* __restrict__ sf, uint32_t blk, uint32_t g, uint32_t wi,
-                                               uint32_t a, uint32_t b, uint32_t kt) {
-  const uint32_t row = blk * 128 + (wi & 3) * 32 + (wi >> 2);
-  if (row >= a && row < b) *reinterpret_cast<uint32_t*>(sf + (blk * kt + g) * 512 + wi * 4) = 0u;
-}
-
-// Zero the scale rows [a, b) (every column) with all threads of the grid, in atom order: a warp's 4-byte stores
-// cover 128 contiguous bytes. kt: 4-column groups per row (scale tensors stay below 2**31 bytes, so the units fit
-// the fast division).
+// Zero the scale rows [a, b) (every column) with all threads of the grid, 16-byte chunks in order (a warp's stores
+// cover 512 contiguous bytes; the chunks of the first and last 128-row tiles keep their rows outside [a, b)).
+// kt: 4-column groups per row (scale tensors stay below 2**31 bytes, so the chunk indices fit 32 bits).
 __device__ __forceinline__ void zero_scale_rows(uint8_t* __restrict__ sf, int32_t a, int32_t b, const FastDiv& kt) {
   if (a >= b) return;
-  const uint32_t blk0 = uint32_t(a) >> 7;
-  const uint32_t units = (((uint32_t(b) - 1) >> 7) - blk0 + 1) * kt.d * 128;
+  const uint32_t c_end = ((uint32_t(b) + 127) >> 7) * kt.d * 32;
   const uint32_t nthreads = gridDim.x * gridDim.y * blockDim.x;
-  for (uint32_t u = flat_cta() * blockDim.x + threadIdx.x; u < units; u += nthreads) {
-    const uint32_t atom = u >> 7, bi = fdiv(kt, atom);
-    zero_atom_word(sf, blk0 + bi, atom - bi * kt.d, u & 127, uint32_t(a), uint32_t(b), kt.d);
+  for (uint32_t c = (uint32_t(a) >> 7) * kt.d * 32 + flat_cta() * blockDim.x + threadIdx.x; c < c_end; c += nthreads) {
+    zero_scale_chunk(sf, c, kt, [&](uint32_t r) { return r < uint32_t(a) || r >= uint32_t(b); });
   }
 }
 
-// Zero the scale rows [a, b) in the 4-column groups [g0, g0 + ng) with the threads t = 0 .. n - 1 of a CTA, in
-// atom order (zero_scale_rows).
+// Zero the scale rows [a, b) in the 4-column groups [g0, g0 + ng) with the threads t = 0 .. n - 1 of a CTA, 16-byte
+// chunks in order (zero_scale_rows).
 __device__ __forceinline__ void zero_scale_rows_cta(uint8_t* __restrict__ sf, int32_t a, int32_t b, uint32_t g0,
                                                     uint32_t ng, uint32_t kt, uint32_t t, uint32_t n) {
   for (uint32_t blk = uint32_t(max(a, 0)) >> 7; int64_t(blk) * 128 < int64_t(b); ++blk) {
-    for (uint32_t w = t; w < ng * 128; w += n) {
-      zero_atom_word(sf, blk, g0 + (w >> 7), w & 127, uint32_t(a), uint32_t(b), kt);
+    for (uint32_t w = t; w < ng * 32; w += n) {
+      zero_scale_run(sf + ((blk * kt + g0) * 32 + w) * 16, blk * 128 + (w & 31),
+                     [&](uint32_t r) { return r < uint32_t(a) || r >= uint32_t(b); });
     }
   }
 }
@@ -444,7 +435,7 @@ __device__ __forceinline__ void zero_scale_rows_cta(uint8_t* __restrict__ sf, in
 // holds an expert's last row (clamped to [0, m)) zeroes that expert's padding scale rows
 // [bo[e] + rows, bo[e+1]) in its columns, right after the expert's last scale sector was written; the scale
 // rows before bo[0] and from bo[E] are zeroed by the whole grid; rows of no expert get zero codes. Both zeroings
-// store 4-byte words in atom order, whole 32-byte sectors per warp (zero_scale_rows): the one-byte stores per row
+// store 16-byte chunks in order, whole 32-byte sectors per warp (zero_scale_rows): the one-byte stores per row
 // and the word stores 512 bytes apart they replace cost a constant ~37 us at E = 256 (H200, 2026-11-26, % of copy,
 // 8192 tokens x 2048 / 4096 / 7168 79.0 / 76.4 / 80.3 -> 85.7 / 88.7 / 92.4, 32768 tokens 93.0 / 91.2 / 93.0 ->
 // 94.8 / 94.4 / 95.8).
