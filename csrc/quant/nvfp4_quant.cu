@@ -105,8 +105,11 @@ inline TilingChoice pick_tiling(TilingChoice measured, bool groups_ok, bool chun
 // Dense tiling (swizzled or linear scales):
 // - 8-row groups (swizzled, >= 32 block columns) for up to 1024 rows, where the 32-column tile's extra CTAs
 //   cut latency (H200, 2026-11-25: M=1..1024 3-12% faster than the row-block tile);
-// - chunks (many waves of CTAs that each take 8 or 16 consecutive row steps) from four waves of 8-step CTAs
-//   up. A one-wave grid that sweeps its rows in a fixed order falls behind itself on long inputs (CTAs drift
+// - chunks (many waves of CTAs that each take 7 or 16 consecutive row steps) from 6 row steps per resident
+//   CTA up; runs of 16 from 128 row steps per resident CTA (H200, 2026-11-26, % of copy, runs of 8 -> 7, two holds:
+//   32768 x 2048 89.1-89.3 -> 89.9-90.4, 8192 x 4096 82.4-82.6 -> 83.0-83.2, 8192 x 7168 88.1-88.2 -> 88.3-88.6,
+//   the other shapes with 4096-32768 rows within 0.6; runs of 4 / 5 / 6 / 12 / 16 / 24 slower than 7).
+//   A one-wave grid that sweeps its rows in a fixed order falls behind itself on long inputs (CTAs drift
 //   apart, and with them the rows of each 32-byte scale sector); the block scheduler keeps a many-wave grid
 //   in order (H200, 2026-11-25, % of copy, one-wave -> chunks: 32768 x 4096 84.4 -> 85.9, 32768 x 7168
 //   82.4 -> 86.8, 131072 x 4096 84.0 -> 91.0, 262144 x 4096 75.1 -> 92.2, 262144 x 7168 63.8 -> 91.4).
@@ -123,7 +126,7 @@ inline TilingChoice dense_tiling(bool swizzle, int64_t m_pad, int32_t kb_pad, co
                                  uint64_t chunk_ctas, int32_t& steps) {
   const uint64_t gx = uint64_t((kb_pad + rows_tile.cols - 1) / rows_tile.cols);
   const uint64_t units = gx * uint64_t((m_pad + rows_tile.rows - 1) / rows_tile.rows);  // CTA row steps
-  steps = units >= 128 * chunk_ctas ? 16 : 8;
+  steps = units >= 128 * chunk_ctas ? 16 : 7;
   const bool groups_ok = swizzle && kb_pad >= 32;
   const TilingChoice measured = groups_ok && m_pad <= 1024      ? TilingChoice::kGroups
                                 : units >= 6 * chunk_ctas ? TilingChoice::kChunks
@@ -438,7 +441,8 @@ __device__ __forceinline__ void zero_scale_rows_cta(uint8_t* __restrict__ sf, in
 // store 16-byte chunks in order, whole 32-byte sectors per warp (zero_scale_rows): the one-byte stores per row
 // and the word stores 512 bytes apart they replace cost a constant ~37 us at E = 256 (H200, 2026-11-26, % of copy,
 // 8192 tokens x 2048 / 4096 / 7168 79.0 / 76.4 / 80.3 -> 85.7 / 88.7 / 92.4, 32768 tokens 93.0 / 91.2 / 93.0 ->
-// 94.8 / 94.4 / 95.8).
+// 94.8 / 94.4 / 95.8, with 4-byte words in atom order; 16-byte chunks measured level or faster, 8192 x 2048 95.6 ->
+// 94.8 us).
 // Built for 5 resident CTAs per SM with 16-bit inputs (48 registers; bf16 measured 47-53% of copy at 64
 // registers against 65-78% at 48, 65536-262144 rows; fp16 spills 16 bytes there). RING: the input streams through
 // a bulk-copy ring (bulk_ring.cuh; a producer warp after the tile's threads, 4 resident CTAs, 56 registers): H200,
