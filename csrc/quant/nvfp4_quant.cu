@@ -508,7 +508,6 @@ __global__ void __launch_bounds__(kThreads + (RING ? kRingThreads : 0), kIs16Bit
     const int64_t step_in = int64_t(tile.rows) * k, step_out = int64_t(tile.rows) * (k / 2);
     const uint32_t off = (uint32_t(ty) * seg + uint32_t(col - cta_c0)) * 16u * uint32_t(sizeof(T));  // in a slot
     uint32_t i = 0;  // RING: the next load
-    const auto ring_next = [&](const T* p) { ring.next(i, c, off, col < kb ? p : nullptr); };
     int32_t r = r0;
     for (const int32_t z = min(R1, first); r < z; r += tile.rows, p += step_in, q += step_out) {
       if constexpr (RING) ring.skip(i++);  // a row of no expert: its slot is released unread
@@ -532,7 +531,7 @@ __global__ void __launch_bounds__(kThreads + (RING ? kRingThreads : 0), kIs16Bit
       const auto run = [&](const auto& os) {
         for (; r < run_end; r += tile.rows, p += step_in, q += step_out) {
           uint8_t sc = 0;
-          if constexpr (RING) ring_next(p);
+          if constexpr (RING) ring.next(i, c, off, col < kb ? p : nullptr);
           if (col < kb) {
             if (!RING && r != r0) load_block16<T>(p, c);
             uint32_t qlo, qhi;
