@@ -8,7 +8,10 @@ and the peers' kernels (sgl-kernel, vLLM) when they import, all in one process.
 Effective bandwidth = (bytes read + bytes written by the op, counted once) / kernel time. Inputs
 rotate over enough copies that each replay reads more than 2 x 60 MB (beyond L2). Times come from
 CUDA-graph replays of R calls (no launch or Python overhead; M = 1 is thus the kernel time), except
-the reference, which is timed eagerly. Ops and shapes (M x K, K in {2048, 4096, 7168}):
+the reference, which is timed eagerly. The compiled kernels launch with programmatic dependent launch
+unless NVFP4_PLUGIN_PDL=0, so each replayed call may start while the call before it ends (its wait
+still orders it); run once with NVFP4_PLUGIN_PDL=0 for plain stream-order times.
+Ops and shapes (M x K, K in {2048, 4096, 7168}):
   nvfp4_dense            scaled_fp4_quant, bf16 [M, K], swizzled e4m3 scales
   nvfp4_dense_linear     same with linear scales (whole 32-B scale sectors per row and CTA step: the
                          diagnostic of csrc/quant/PERF_NOTES.md §2.4, partial swizzled sector writes)
@@ -279,11 +282,13 @@ def write_results(out: Path, rows, copy_bw, props, missing) -> None:
         commit = "unknown"
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "gpu": props.name,
             "sms": props.multi_processor_count, "torch": torch.__version__, "commit": commit,
-            "copy_tbps": copy_bw / 1e12, "command": " ".join(sys.argv), "missing_peers": missing}
+            "copy_tbps": copy_bw / 1e12, "command": " ".join(sys.argv), "missing_peers": missing,
+            "pdl": os.environ.get("NVFP4_PLUGIN_PDL", "") != "0"}
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     (out / f"quant-{stamp}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [f"# Quantization kernels, {props.name} ({meta['date']}, commit {commit}, torch {torch.__version__})", "",
-             f"Device copy: {copy_bw / 1e12:.2f} TB/s (bytes read + written). Command: `{meta['command']}`.", "",
+             f"Device copy: {copy_bw / 1e12:.2f} TB/s (bytes read + written). Command: `{meta['command']}`. "
+             f"Programmatic dependent launch: {'on' if meta['pdl'] else 'off (NVFP4_PLUGIN_PDL=0)'}.", "",
              "| op | M | K | time (us) | TB/s | % of copy | peers (% of copy, us) | reference speedup |",
              "|---|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:

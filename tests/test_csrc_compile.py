@@ -185,6 +185,24 @@ def test_fp8_kernels_convert_with_f2fp(sass, arch):
         assert any(i.startswith("F2FP.SATFINITE.E4M3") for i in ins), f"{name} ({arch}): no F2FP e4m3"
 
 
+# global memory instructions (generic LD / ST / ATOM may address global memory too)
+_GLOBAL_MEM = re.compile(r"^(LDG|STG|ATOMG|RED|LDGSTS|UBLKCP|UTMA|LD\.|ST\.|ATOM\.)")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kernels_wait_for_their_dependencies_first(sass, arch):
+    """Programmatic dependent launch (kernel_utils.cuh, pdl_enter): a kernel launched with the PDL attribute may
+    start while the kernel before it still runs, so its griddepcontrol.wait (ACQBULK) must come before its first
+    global memory access, and it triggers its dependents (PREEXIT)."""
+    for stem in (p.stem for p in KERNEL_SOURCES):
+        for name, ins in sass[(stem, arch)].items():
+            assert "ACQBULK" in ins, f"{name} ({arch}): no griddepcontrol.wait"
+            assert "PREEXIT" in ins, f"{name} ({arch}): no griddepcontrol.launch_dependents"
+            first_mem = next((i for i, x in enumerate(ins) if _GLOBAL_MEM.match(x)), len(ins))
+            assert ins.index("ACQBULK") < first_mem, \
+                f"{name} ({arch}): {ins[first_mem]} before the griddepcontrol.wait"
+
+
 def test_binding_compiles_against_torch_headers(tmp_path):
     """Syntax-check csrc/bindings.cpp with the installed torch's headers (CPU builds ship them)."""
     torch = pytest.importorskip("torch")

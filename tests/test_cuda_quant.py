@@ -444,6 +444,72 @@ def test_cuda_graph_capture_and_replay(cuda_ops):
             assert_same_bytes(a, b, f"{name} output {i} after graph replay")
 
 
+@pytest.mark.parametrize("m", [64, 8192])
+def test_dependent_kernels_back_to_back(cuda_ops, m):
+    """Each kernel reads what the kernel before it wrote, eagerly and in one CUDA graph. With programmatic
+    dependent launch (NVFP4_PLUGIN_PDL, on unless 0) a kernel may start while the one before it still runs and
+    waits for it on the GPU (pdl_enter): the bytes must match the same ops run one at a time with a host sync
+    after each. At 64 rows SiLU leaves most SMs free, so its dependents start at once and only their wait
+    orders them; at 8192 rows they fill the SMs as SiLU's CTAs end."""
+    inner = 2048
+    xs = [activations(m, 2 * inner, torch.bfloat16, seed=70 + i, specials=False) for i in range(3)]
+    gs = torch.tensor([0.37], device="cuda")
+    eo = routing(m, 64, seed=7).cuda()
+    bo = nx.blockscale_offsets_from_expert_offsets(eo)
+    gse = torch.rand(64, device="cuda") + 0.5
+
+    consumers = (lambda y: cuda_ops.scaled_fp4_quant(y, gs),
+                 lambda y: cuda_ops.scaled_fp4_experts_quant(y, gse, eo, bo),
+                 lambda y: cuda_ops.per_token_group_quant_fp8(y),
+                 lambda y: cuda_ops.scaled_fp8_quant(y))
+
+    def chain():
+        y = cuda_ops.silu_and_mul(x)
+        return [y, *[t for f in consumers for t in f(y)]]
+
+    def one_at_a_time(xi):
+        torch.cuda.synchronize()
+        y = cuda_ops.silu_and_mul(xi)
+        outs = [y]
+        for f in consumers:
+            torch.cuda.synchronize()
+            outs.extend(f(y))
+        torch.cuda.synchronize()
+        return outs
+
+    names = ("silu", "fp4 codes", "fp4 scales", "experts codes", "experts scales", "fp8 group codes",
+             "fp8 group scales", "fp8 dynamic codes", "fp8 dynamic scale")
+    wrong = []
+
+    def check(got, phase):
+        for name, a, b in zip(names, got, one_at_a_time(x)):
+            try:
+                assert_same_bytes(a, b, f"{phase}: {name}")
+            except AssertionError as e:
+                wrong.append(str(e).splitlines()[0])
+
+    x = xs[0].clone()
+    for i, xi in enumerate(xs):
+        x.copy_(xi)
+        check([t.clone() for t in chain()], f"eager, input {i}")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain()
+    for i, xi in enumerate(xs):
+        x.copy_(xi)
+        for t in outs:
+            t.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        check(outs, f"graph, input {i}")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_torch_compile_traces_the_ops(cuda_ops):
     """The ops have fake implementations: the wrappers trace into one graph (auto-functionalized)."""
     x = activations(64, 256, torch.bfloat16, seed=9, specials=False)

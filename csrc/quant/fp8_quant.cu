@@ -105,6 +105,7 @@ __global__ void __launch_bounds__(kGroupThreads)
     fp8_group_kernel(const T* __restrict__ in, uint8_t* __restrict__ out, void* __restrict__ scales, int32_t m,
                      int32_t groups_per_row, int32_t tpg_log2, float eps, int32_t scale_stride, uint32_t units,
                      FastDiv gpr_div) {
+  pdl_enter();
   constexpr int kE = Chunk<T>::kElems;
   constexpr int kNC = 16 / kE;
   const uint32_t t = blockIdx.x * uint32_t(kGroupThreads) + threadIdx.x;
@@ -144,6 +145,7 @@ template <typename T>
 __global__ void __launch_bounds__(1024)
     fp8_token_kernel(const T* __restrict__ in, uint8_t* __restrict__ out, float* __restrict__ scales, int32_t m,
                      int32_t k, int32_t tpr) {
+  pdl_enter();
   constexpr int kE = Chunk<T>::kElems;
   __shared__ float partial[32];
   const int32_t rows_per_cta = int32_t(blockDim.x) / tpr;
@@ -269,6 +271,7 @@ __device__ __forceinline__ float block_max(float v, float* partial) {
 template <typename T>
 __global__ void __launch_bounds__(kThreads) fp8_static_kernel(const T* __restrict__ in, const float* __restrict__ scale,
                                                               uint8_t* __restrict__ out, int64_t numel) {
+  pdl_enter();
   const float inv = rcp_or_zero(__ldg(scale));
   quant_range<T>(in, out, numel, inv, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
 }
@@ -277,6 +280,7 @@ __global__ void __launch_bounds__(kThreads) fp8_static_kernel(const T* __restric
 template <typename T>
 __global__ void __launch_bounds__(1024) fp8_dynamic_fused_kernel(const T* __restrict__ in, float* __restrict__ scale,
                                                                  uint8_t* __restrict__ out, int64_t numel) {
+  pdl_enter();
   __shared__ float partial[32];
   const float amax = block_max(amax_range<T>(in, numel, threadIdx.x, blockDim.x), partial);
   const float s = div_rn(inf_as_max(amax), kE4M3Max);
@@ -290,6 +294,7 @@ __global__ void __launch_bounds__(1024) fp8_dynamic_fused_kernel(const T* __rest
 template <typename T>
 __global__ void __launch_bounds__(kThreads) fp8_amax_kernel(const T* __restrict__ in, float* __restrict__ scale,
                                                             int64_t numel) {
+  pdl_enter();
   __shared__ float partial[32];
   const float amax =
       block_max(amax_range<T>(in, numel, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x), partial);
@@ -311,10 +316,9 @@ cudaError_t launch_group(const void* input, void* scales, uint8_t* out, int64_t 
   int tpg_log2 = 0;
   while ((16 << tpg_log2) < group_size) ++tpg_log2;
   auto kernel = group_size == 128 ? fp8_group_kernel<T, L, 8> : fp8_group_kernel<T, L, 0>;
-  kernel<<<unsigned((units + kGroupThreads - 1) / kGroupThreads), kGroupThreads, 0, stream>>>(
-      static_cast<const T*>(input), out, scales, int32_t(m), int32_t(k / group_size), tpg_log2, eps,
-      int32_t(scale_stride), uint32_t(units), make_fastdiv(uint32_t(k / group_size)));
-  return cudaGetLastError();
+  return launch_kernel(kernel, unsigned((units + kGroupThreads - 1) / kGroupThreads), kGroupThreads, 0, stream, true,
+                       static_cast<const T*>(input), out, scales, int32_t(m), int32_t(k / group_size), tpg_log2, eps,
+                       int32_t(scale_stride), uint32_t(units), make_fastdiv(uint32_t(k / group_size)));
 }
 
 template <typename T>
@@ -346,21 +350,19 @@ cudaError_t launch_token(const void* input, float* scales, uint8_t* out, int64_t
   const int64_t rows_per_cta = block / tpr;
   const int64_t grid = (m + rows_per_cta - 1) / rows_per_cta;
   if (grid > INT32_MAX) return cudaErrorInvalidValue;
-  fp8_token_kernel<T><<<unsigned(grid), block, 0, stream>>>(static_cast<const T*>(input), out, scales, int32_t(m),
-                                                           int32_t(k), int32_t(tpr));
-  return cudaGetLastError();
+  return launch_kernel(fp8_token_kernel<T>, unsigned(grid), block, 0, stream, true, static_cast<const T*>(input), out,
+                       scales, int32_t(m), int32_t(k), int32_t(tpr));
 }
 
 template <typename T>
 cudaError_t launch_static(const void* input, const float* scale, uint8_t* out, int64_t numel, int num_sms,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, bool pdl = true) {
   constexpr int kE = Chunk<T>::kElems;
   if (uint64_t(numel / kE) > kMaxUnits) return cudaErrorInvalidValue;
   auto kernel = fp8_static_kernel<T>;
   static const int per_sm = resident_ctas(kernel);
-  kernel<<<grid_for(uint64_t(numel / kE) + 1, num_sms, per_sm), kThreads, 0, stream>>>(static_cast<const T*>(input),
-                                                                                       scale, out, numel);
-  return cudaGetLastError();
+  return launch_kernel(kernel, grid_for(uint64_t(numel / kE) + 1, num_sms, per_sm), kThreads, 0, stream, pdl,
+                       static_cast<const T*>(input), scale, out, numel);
 }
 
 constexpr int64_t kFusedDynamicMax = 1 << 16;  // elements handled by the single-CTA dynamic kernel
@@ -372,17 +374,18 @@ cudaError_t launch_dynamic(const void* input, float* scale, uint8_t* out, int64_
   if (uint64_t(numel / kE) > kMaxUnits) return cudaErrorInvalidValue;
   const T* in = static_cast<const T*>(input);
   if (numel <= kFusedDynamicMax) {
-    fp8_dynamic_fused_kernel<T><<<1, 1024, 0, stream>>>(in, scale, out, numel);
-    return cudaGetLastError();
+    return launch_kernel(fp8_dynamic_fused_kernel<T>, 1, 1024, 0, stream, true, in, scale, out, numel);
   }
   cudaError_t err = cudaMemsetAsync(scale, 0, sizeof(float), stream);
   if (err != cudaSuccess) return err;
   auto amax_kernel = fp8_amax_kernel<T>;
   static const int per_sm_a = resident_ctas(amax_kernel);
-  amax_kernel<<<grid_for(uint64_t(numel / kE) + 1, num_sms, per_sm_a), kThreads, 0, stream>>>(in, scale, numel);
-  err = cudaGetLastError();
+  // Plain stream order for both passes: the amax follows the memset (PDL orders kernel after kernel), and an
+  // early quant pass measured slower (H200, 8192 x 2048 bf16: 25.1 us against 23.2 us without PDL).
+  err = launch_kernel(amax_kernel, grid_for(uint64_t(numel / kE) + 1, num_sms, per_sm_a), kThreads, 0, stream, false,
+                      in, scale, numel);
   if (err != cudaSuccess) return err;
-  return launch_static<T>(input, scale, out, numel, num_sms, stream);
+  return launch_static<T>(input, scale, out, numel, num_sms, stream, false);
 }
 
 }  // namespace

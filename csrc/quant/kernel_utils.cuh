@@ -4,6 +4,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
 
 #include "launch.h"
 #include "numerics.cuh"
@@ -210,6 +213,18 @@ __device__ __forceinline__ void zero_scale_chunk(uint8_t* region, uint32_t c, co
   zero_scale_run(region + uint64_t(c) * 16, fdiv(k_tiles, c >> 5) * 128 + (c & 31), keep);
 }
 
+
+// Programmatic dependent launch (PDL, sm_90 and up). Every quantization kernel starts with pdl_enter(), before its
+// first global memory access: it waits until the grids it depends on have completed and their writes are visible
+// (griddepcontrol.wait; immediate when the launch had no programmatic dependency), then lets the next kernel of
+// the stream launch early (griddepcontrol.launch_dependents: once every CTA of this grid has run it, i.e. the last
+// wave has started, the next grid's CTAs may take the SM slots this grid frees; their own wait still orders them
+// after this grid). The SASS check (tests/test_csrc_compile.py) asserts the wait comes before any global access.
+__device__ __forceinline__ void pdl_enter() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 #endif  // __CUDACC__
 
 // CTAs that fill the GPU once at `per_sm` resident CTAs per SM.
@@ -310,6 +325,36 @@ inline dim3 chunk_grid(const Tile& t, int32_t cols, uint64_t rows, int32_t steps
     }                                \
   }                                  \
   return cudaErrorInvalidValue
+
+// NVFP4_PLUGIN_PDL=0 launches every kernel without the programmatic dependency (plain stream order); unset or
+// anything else: kernels that follow another kernel in the stream may start before it ends (pdl_enter). Read once
+// per process.
+inline bool pdl_on() {
+  static const bool on = [] {
+    const char* v = std::getenv("NVFP4_PLUGIN_PDL");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
+
+// Launch `kernel` (which starts with pdl_enter()) with the programmatic-stream-serialization attribute when
+// pdl_on() and `pdl`: pass pdl = false for a kernel that follows a memset or copy of its own launcher, where
+// the dependency must stay a full one. Returns the launch status.
+template <typename... KArgs, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                          bool pdl, Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = (pdl && pdl_on()) ? 1 : 0;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
 
 template <class Kernel>
 inline int resident_ctas(Kernel kernel, size_t smem = 0, int threads = kThreads) {

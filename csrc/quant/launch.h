@@ -3,7 +3,8 @@
 // launch status (cudaSuccess, or cudaErrorInvalidValue for a shape it does not support).
 //
 // Every launcher is asynchronous, allocation-free and never synchronizes the host, so all of them
-// can be captured in a CUDA graph.
+// can be captured in a CUDA graph. Kernels launch with programmatic dependent launch unless
+// NVFP4_PLUGIN_PDL=0 (kernel_utils.cuh: pdl_enter, launch_kernel).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -167,6 +167,7 @@ __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restri
                                                                uint8_t* __restrict__ out, uint8_t* __restrict__ sf,
                                                                int32_t m, int32_t m_pad, int32_t k, int32_t kb,
                                                                int32_t kb_pad, Tile tile) {
+  pdl_enter();
   __shared__ float table[kOutScaleTab];
   const float gs = __ldg(gsp);
   const float inv_gs = rcp_or_zero(gs);
@@ -228,6 +229,7 @@ __global__ void __launch_bounds__(kThreads, kIs16Bit<T> && !UE8M0 ? 6 : 1)
     nvfp4_dense_chunks_kernel(const T* __restrict__ in, const float* __restrict__ gsp, uint8_t* __restrict__ out,
                               uint8_t* __restrict__ sf, int32_t m, int32_t m_pad, int32_t k, int32_t kb,
                               int32_t kb_pad, Tile tile, ChunkPlan plan) {
+  pdl_enter();
   __shared__ float table[kOutScaleTab];
   const int32_t ty = int32_t(threadIdx.x) / tile.cols;
   const int32_t col = int32_t(blockIdx.x) * tile.cols + (int32_t(threadIdx.x) - ty * tile.cols);
@@ -302,6 +304,7 @@ __global__ void __launch_bounds__(kThreads)
                          const int32_t* __restrict__ bo_g, uint8_t* __restrict__ out, uint8_t* __restrict__ sf,
                          int32_t m, int32_t k, int32_t kb, int32_t kb_pad, int num_experts, int32_t sf_rows,
                          Tile tile, uint32_t chunks, FastDiv kt_div, int use_tabs) {
+  pdl_enter();
   extern __shared__ int32_t smem[];
   int32_t* eo = smem;
   int32_t* bo = smem + num_experts + 1;
@@ -456,6 +459,7 @@ __global__ void __launch_bounds__(kThreads + (RING ? kRingThreads : 0), kIs16Bit
                                 uint8_t* __restrict__ out, uint8_t* __restrict__ sf, int32_t m, int32_t k, int32_t kb,
                                 int32_t kb_pad, int num_experts, int32_t sf_rows, Tile tile, ChunkPlan plan,
                                 FastDiv kt_div) {
+  pdl_enter();
   extern __shared__ __align__(128) uint8_t dyn_smem[];  // [RING: ring_smem_bytes<T>()] eo, bo, out_scale tables
   int32_t* eo = reinterpret_cast<int32_t*>(dyn_smem + (RING ? ring_smem_bytes<T>() : 0));
   int32_t* bo = eo + num_experts + 1;
@@ -730,6 +734,7 @@ __global__ void __launch_bounds__(kThreads)
                         uint8_t* __restrict__ out, uint8_t* __restrict__ sf, int num_experts, int32_t max_m,
                         int32_t m_pad, int32_t k, int32_t kb, int32_t kb_pad, Tile tile, FastDiv k16_div,
                         FastDiv kt_div, FastDiv expert_chunks_div) {
+  pdl_enter();
   extern __shared__ int32_t smem[];
   float* silu_tab = reinterpret_cast<float*>(smem);  // [kSiluTab] with TABLE
   int32_t* prefix = smem + (TABLE ? kSiluTab : 0);   // [E + 1] valid rows before expert e
@@ -806,6 +811,7 @@ __global__ void __launch_bounds__(kThreads)
                                const int32_t* __restrict__ mask, uint8_t* __restrict__ out, uint8_t* __restrict__ sf,
                                int num_experts, int32_t max_m, int32_t m_pad, int32_t k, int32_t kb, int32_t kb_pad,
                                FastDiv k16_div, FastDiv kt_div, FastDiv expert_chunks_div) {
+  pdl_enter();
   extern __shared__ int32_t smem[];
   float* silu_tab = reinterpret_cast<float*>(smem);  // [kSiluTab] with TABLE
   int32_t* prefix = smem + (TABLE ? kSiluTab : 0);   // [E + 1] valid rows before expert e
@@ -892,6 +898,7 @@ __global__ void __launch_bounds__(kDirectThreads)
                                const int32_t* __restrict__ mask, uint8_t* __restrict__ out,
                                uint8_t* __restrict__ sf, int32_t max_m, int32_t m_pad, int32_t k, int32_t kb,
                                int32_t kb_pad, uint32_t units, FastDiv kb_div, FastDiv max_m_div) {
+  pdl_enter();
   const uint32_t u = blockIdx.x * blockDim.x + threadIdx.x;
   if (u >= units) return;
   const uint32_t row = fdiv(kb_div, u);
@@ -919,6 +926,7 @@ __global__ void __launch_bounds__(kDirectThreads)
 template <typename T>
 __global__ void __launch_bounds__(kThreads) silu_and_mul_kernel(const T* __restrict__ in, T* __restrict__ out,
                                                                 int32_t inner, uint32_t units, FastDiv chunks_div) {
+  pdl_enter();
   constexpr int kE = Chunk<T>::kElems;
   const Slice sl = cta_slice(units);
   for (uint32_t u = sl.begin + threadIdx.x; u < sl.end; u += blockDim.x) {
@@ -957,9 +965,8 @@ cudaError_t launch_dense(const void* input, const float* gs, uint8_t* out, uint8
   if (tiling == TilingChoice::kChunks) {
     ChunkPlan plan;
     const dim3 grid = chunk_grid(tile, kb_pad, uint64_t(m_pad), steps, gpu_ctas(num_sms, per_sm_chunks), plan);
-    chunks<<<grid, tile_threads(tile), 0, stream>>>(in, gs, out, sf, int32_t(m), int32_t(m_pad), int32_t(k), kb,
-                                                    kb_pad, tile, plan);
-    return cudaGetLastError();
+    return launch_kernel(chunks, grid, tile_threads(tile), 0, stream, true, in, gs, out, sf, int32_t(m), int32_t(m_pad),
+                         int32_t(k), kb, kb_pad, tile, plan);
   }
   auto kernel = stride;
   int per_sm = per_sm_stride;
@@ -972,9 +979,8 @@ cudaError_t launch_dense(const void* input, const float* gs, uint8_t* out, uint8
     }
   }
   const dim3 grid = tile_grid(tile, kb_pad, uint64_t(m_pad), 0, num_sms, per_sm);
-  kernel<<<grid, tile_threads(tile), 0, stream>>>(in, gs, out, sf, int32_t(m), int32_t(m_pad), int32_t(k), kb, kb_pad,
-                                                  tile);
-  return cudaGetLastError();
+  return launch_kernel(kernel, grid, tile_threads(tile), 0, stream, true, in, gs, out, sf, int32_t(m), int32_t(m_pad),
+                       int32_t(k), kb, kb_pad, tile);
 }
 
 template <typename T>
@@ -1055,10 +1061,9 @@ cudaError_t launch_experts(const void* input, const float* gs, const int32_t* eo
     const dim3 grid = chunk_grid(ctile, kb_pad, uint64_t(m), (32 + ctile.rows - 1) / ctile.rows,
                                  gpu_ctas(num_sms, per_sm_chunks), plan);
     const int threads = tile_threads(ctile) + (ring ? kRingThreads : 0);
-    ckernel<<<grid, threads, csmem, stream>>>(static_cast<const T*>(input), gs, eo, bo, out, sf, int32_t(m),
-                                              int32_t(k), kb, kb_pad, num_experts, int32_t(sf_rows), ctile, plan,
-                                              make_fastdiv(uint32_t(kb_pad / 4)));
-    return cudaGetLastError();
+    return launch_kernel(ckernel, grid, threads, csmem, stream, true, static_cast<const T*>(input), gs, eo, bo, out, sf,
+                         int32_t(m), int32_t(k), kb, kb_pad, num_experts, int32_t(sf_rows), ctile, plan,
+                         make_fastdiv(uint32_t(kb_pad / 4)));
   }
   auto kernel = nvfp4_experts_kernel<T>;
   const cudaError_t err = allow_smem(kernel, smem);
@@ -1066,11 +1071,9 @@ cudaError_t launch_experts(const void* input, const float* gs, const int32_t* eo
   static const int per_sm = resident_ctas(kernel, kExpertsSmemBound);
   const Tile tile = tile0;
   const dim3 grid = tile_grid(tile, kb, uint64_t(m), chunks, num_sms, per_sm);
-  kernel<<<grid, tile_threads(tile), smem, stream>>>(static_cast<const T*>(input), gs, eo, bo, out, sf,
-                                                         int32_t(m), int32_t(k), kb, kb_pad, num_experts,
-                                                         int32_t(sf_rows), tile, uint32_t(chunks),
-                                                         make_fastdiv(uint32_t(kb_pad / 4)), use_tabs);
-  return cudaGetLastError();
+  return launch_kernel(kernel, grid, tile_threads(tile), smem, stream, true, static_cast<const T*>(input), gs, eo, bo,
+                       out, sf, int32_t(m), int32_t(k), kb, kb_pad, num_experts, int32_t(sf_rows), tile,
+                       uint32_t(chunks), make_fastdiv(uint32_t(kb_pad / 4)), use_tabs);
 }
 
 template <typename T, bool SILU, bool ZERO_FILL>
@@ -1087,10 +1090,10 @@ cudaError_t launch_masked(const void* input, const float* gs, const int32_t* mas
   // Small problems without zero-fill: the direct kernel (at most ~one thread per SM lane).
   if (!ZERO_FILL && all_rows * uint64_t(kb) <= uint64_t(kDirectThreads) * gpu_ctas(num_sms, 4)) {
     const uint32_t units = uint32_t(all_rows * uint64_t(kb));
-    nvfp4_masked_direct_kernel<T, SILU><<<(units + kDirectThreads - 1) / kDirectThreads, kDirectThreads, 0, stream>>>(
-        static_cast<const T*>(input), gs, mask, out, sf, int32_t(max_m), int32_t(m_pad), int32_t(k), kb, kb_pad, units,
-        make_fastdiv(uint32_t(kb)), make_fastdiv(uint32_t(max_m)));
-    return cudaGetLastError();
+    return launch_kernel(nvfp4_masked_direct_kernel<T, SILU>, (units + kDirectThreads - 1) / kDirectThreads,
+                         kDirectThreads, 0, stream, true, static_cast<const T*>(input), gs, mask, out, sf,
+                         int32_t(max_m), int32_t(m_pad), int32_t(k), kb, kb_pad, units, make_fastdiv(uint32_t(kb)),
+                         make_fastdiv(uint32_t(max_m)));
   }
   constexpr bool kTabOk = SILU && std::is_same<T, __nv_bfloat16>::value;
   const bool use_tab = kTabOk && all_rows * uint64_t(kb) >= uint64_t(16) * kThreads * gpu_ctas(num_sms, 4);
@@ -1116,10 +1119,8 @@ cudaError_t launch_masked(const void* input, const float* gs, const int32_t* mas
     const Tile tile{32, kDenseGroupRows};
     const dim3 grid = tile_grid(tile, kb_pad, uint64_t(num_experts) * uint64_t(m_pad), extra, num_sms,
                                 many ? resident_ctas(kernel, smem) : per_sm[use_tab]);
-    kernel<<<grid, tile_threads(tile), smem, stream>>>(in, gs, mask, out, sf, num_experts, int32_t(max_m),
-                                                       int32_t(m_pad), int32_t(k), kb, kb_pad, k16_div, kt_div,
-                                                       chunks_div);
-    return cudaGetLastError();
+    return launch_kernel(kernel, grid, tile_threads(tile), smem, stream, true, in, gs, mask, out, sf, num_experts,
+                         int32_t(max_m), int32_t(m_pad), int32_t(k), kb, kb_pad, k16_div, kt_div, chunks_div);
   }
   auto kernel = use_tab ? nvfp4_masked_kernel<T, SILU, ZERO_FILL, kTabOk> : nvfp4_masked_kernel<T, SILU, ZERO_FILL, false>;
   auto plain = nvfp4_masked_kernel<T, SILU, ZERO_FILL, false>;
@@ -1129,10 +1130,8 @@ cudaError_t launch_masked(const void* input, const float* gs, const int32_t* mas
   if (err != cudaSuccess) return err;
   const Tile tile = make_tile(kb);
   const dim3 grid = tile_grid(tile, kb, all_rows, extra, num_sms, many ? resident_ctas(kernel, smem) : per_sm[use_tab]);
-  kernel<<<grid, tile_threads(tile), smem, stream>>>(in, gs, mask, out, sf, num_experts, int32_t(max_m),
-                                                     int32_t(m_pad), int32_t(k), kb, kb_pad, tile, k16_div, kt_div,
-                                                     chunks_div);
-  return cudaGetLastError();
+  return launch_kernel(kernel, grid, tile_threads(tile), smem, stream, true, in, gs, mask, out, sf, num_experts,
+                       int32_t(max_m), int32_t(m_pad), int32_t(k), kb, kb_pad, tile, k16_div, kt_div, chunks_div);
 }
 
 template <typename T>
@@ -1154,10 +1153,9 @@ cudaError_t launch_silu(const void* input, void* out, int64_t rows, int64_t inne
   if (units > kMaxUnits || inner % kE != 0) return cudaErrorInvalidValue;
   auto kernel = silu_and_mul_kernel<T>;
   static const int per_sm = resident_ctas(kernel);
-  kernel<<<grid_for(units, num_sms, per_sm), kThreads, 0, stream>>>(
-      static_cast<const T*>(input), static_cast<T*>(out), int32_t(inner), uint32_t(units),
-      make_fastdiv(uint32_t(inner / kE)));
-  return cudaGetLastError();
+  return launch_kernel(kernel, grid_for(units, num_sms, per_sm), kThreads, 0, stream, true,
+                       static_cast<const T*>(input), static_cast<T*>(out), int32_t(inner), uint32_t(units),
+                       make_fastdiv(uint32_t(inner / kE)));
 }
 
 }  // namespace
