@@ -223,7 +223,10 @@ __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restri
 // before the out_scale table is built. Built for 6 resident CTAs per SM with 16-bit inputs and e4m3 scales (40
 // registers, measured faster than 48); UE8M0 scales and fp32 inputs would spill there and take no bound.
 // A kernel of its own: folded into nvfp4_dense_kernel as a third row order, it took that kernel's one-wave
-// paths from 47-48 to 60-72 registers.
+// paths from 47-48 to 60-72 registers. Swizzled, a row step is an 8-row group in sector lanes (below): against the
+// row tile (a warp = 32 blocks of one row, each warp store touching 8 scale sectors with 4 bytes each) it measured
+// H200, 2026-11-26, % of copy: 4096 x 7168 82.85 -> 85.9, 8192 x 4096 / 7168 83.45 / 88.55 -> 85.15 / 90.65,
+// 32768 x 2048 / 4096 / 7168 90.45 / 93.55 / 94.45 -> 91.6 / 94.9 / 95.75 (benchmarks/results/quant_kernels_h200.md).
 template <typename T, bool SWIZZLE, bool UE8M0>
 __global__ void __launch_bounds__(kThreads, kIs16Bit<T> && !UE8M0 ? 6 : 1)
     nvfp4_dense_chunks_kernel(const T* __restrict__ in, const float* __restrict__ gsp, uint8_t* __restrict__ out,
@@ -231,16 +234,32 @@ __global__ void __launch_bounds__(kThreads, kIs16Bit<T> && !UE8M0 ? 6 : 1)
                               int32_t kb_pad, Tile tile, ChunkPlan plan) {
   pdl_enter();
   __shared__ float table[kOutScaleTab];
-  const int32_t ty = int32_t(threadIdx.x) / tile.cols;
-  const int32_t col = int32_t(blockIdx.x) * tile.cols + (int32_t(threadIdx.x) - ty * tile.cols);
-  const bool active = ty < tile.rows && col < kb_pad;  // the CTA has kThreads threads, the tile may use fewer
+  // Row step st of the grid: swizzled, 8-row group st (32 block columns x kDenseGroupRows rows per CTA step),
+  // where warp w of the CTA takes block columns 4w .. 4w + 3 of all 8 rows, whose scale bytes fill one 32-byte
+  // sector: each warp's scale store writes a whole sector. Linear, thread (ty, tx) of the tile takes row
+  // st * tile.rows + ty.
+  int32_t col;
+  uint32_t ro;  // the thread's row within a row step
+  if constexpr (SWIZZLE) {
+    const uint32_t lane = threadIdx.x & 31u;
+    col = int32_t(blockIdx.x) * 32 + int32_t((threadIdx.x >> 5) * 4u + (lane & 3u));
+    ro = group_sub(int32_t(lane >> 2));
+  } else {
+    ro = threadIdx.x / uint32_t(tile.cols);
+    col = int32_t(blockIdx.x) * tile.cols + int32_t(threadIdx.x - ro * uint32_t(tile.cols));
+  }
+  const auto row_of = [&](uint32_t st) {
+    return SWIZZLE ? 128u * (st >> 4) + group_row_in_tile(st, ro) : st * uint32_t(tile.rows) + ro;
+  };
+  // the CTA has kThreads threads, the tile may use fewer (swizzled: whole warps, as kb_pad % 4 == 0)
+  const bool active = (SWIZZLE || ro < uint32_t(tile.rows)) && col < kb_pad;
   uint32_t n_steps;
-  const uint32_t r_begin = chunk_run(plan, blockIdx.y, n_steps) * uint32_t(tile.rows);
-  const uint32_t r_end = min(uint32_t(m_pad), r_begin + n_steps * uint32_t(tile.rows));
-  const uint32_t r0 = r_begin + uint32_t(ty);
-  const T* p = in + int64_t(r0) * k + col * 16;
+  const uint32_t s0 = chunk_run(plan, blockIdx.y, n_steps);
+  const uint32_t step_rows = uint32_t(SWIZZLE ? kDenseGroupRows : tile.rows);
+  const uint32_t s_end = min((uint32_t(m_pad) + step_rows - 1) / step_rows, s0 + n_steps);
+  const uint32_t r0 = row_of(s0);
   uint4 c[kChunksPerBlock16<T>];
-  if (active && col < kb && r0 < uint32_t(m)) load_block16<T>(p, c);
+  if (active && col < kb && r0 < uint32_t(m)) load_block16<T>(in + int64_t(r0) * k + col * 16, c);
   const float gs = __ldg(gsp);
   const float inv_gs = rcp_or_zero(gs);
   for (int b = threadIdx.x; b < 256; b += blockDim.x) fill_out_scale_table<UE8M0>(table, b, inv_gs);
@@ -249,15 +268,15 @@ __global__ void __launch_bounds__(kThreads, kIs16Bit<T> && !UE8M0 ? 6 : 1)
   const OutScaleTable os(table);
   const uint32_t kt = uint32_t(kb_pad) >> 2;
   const uint32_t colpart = swz_col(uint32_t(col));
-  uint8_t* q = out + int64_t(r0) * (k / 2) + col * 8;
-  const int64_t step_in = int64_t(tile.rows) * k, step_out = int64_t(tile.rows) * (k / 2);
-  for (uint32_t r = r0; r < r_end; r += tile.rows, p += step_in, q += step_out) {
+  for (uint32_t st = s0; st < s_end; ++st) {
+    const uint32_t r = row_of(st);
+    if (!SWIZZLE && r >= uint32_t(m_pad)) break;  // linear: the last step's rows past m (swizzled: m_pad % 128 == 0)
     uint8_t s = 0;
     if (r < uint32_t(m) && col < kb) {
-      if (r != r0) load_block16<T>(p, c);
+      if (st != s0) load_block16<T>(in + int64_t(r) * k + col * 16, c);
       uint32_t lo, hi;
       s = nvfp4_quant_block16<T, UE8M0>(c, gs, os, lo, hi);
-      st8(q, make_uint2(lo, hi));
+      st8(out + int64_t(r) * (k / 2) + col * 8, make_uint2(lo, hi));
     }
     if (SWIZZLE) {
       sf[swz_row(r, kt) + colpart] = s;
@@ -963,6 +982,7 @@ cudaError_t launch_dense(const void* input, const float* gs, uint8_t* out, uint8
   const TilingChoice tiling = dense_tiling(SWIZZLE, m_pad, kb_pad, tile, gpu_ctas(num_sms, per_sm_chunks), steps);
   const T* in = static_cast<const T*>(input);
   if (tiling == TilingChoice::kChunks) {
+    if (SWIZZLE) tile = Tile{32, kDenseGroupRows};  // the 8-row groups in sector lanes (nvfp4_dense_chunks_kernel)
     ChunkPlan plan;
     const dim3 grid = chunk_grid(tile, kb_pad, uint64_t(m_pad), steps, gpu_ctas(num_sms, per_sm_chunks), plan);
     return launch_kernel(chunks, grid, tile_threads(tile), 0, stream, true, in, gs, out, sf, int32_t(m), int32_t(m_pad),
