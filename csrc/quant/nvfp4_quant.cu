@@ -106,7 +106,9 @@ inline TilingChoice pick_tiling(TilingChoice measured, bool groups_ok, bool chun
 // - 8-row groups (swizzled, >= 32 block columns) for up to 1024 rows, where the 32-column tile's extra CTAs
 //   cut latency (H200, 2026-11-25: M=1..1024 3-12% faster than the row-block tile);
 // - chunks (many waves of CTAs that each take 7 or 16 consecutive row steps) from 6 row steps per resident
-//   CTA up; runs of 16 from 128 row steps per resident CTA (H200, 2026-11-26, % of copy, runs of 8 -> 7, two holds:
+//   CTA up, 5 with swizzled scales (sector lanes; H200, 2026-11-26, rows -> chunks at 5.2 row steps per resident
+//   CTA: 8192 x 2048 72.0 -> 81.0, 4096 x 4096 72.0 -> 81.4, 2048 x 7168 70.8 -> 79.0; at 2.6: 4096 x 2048 65.3 ->
+//   53.3); runs of 16 from 128 row steps per resident CTA (H200, 2026-11-26, % of copy, runs of 8 -> 7, two holds:
 //   32768 x 2048 89.1-89.3 -> 89.9-90.4, 8192 x 4096 82.4-82.6 -> 83.0-83.2, 8192 x 7168 88.1-88.2 -> 88.3-88.6,
 //   the other shapes with 4096-32768 rows within 0.6; runs of 4 / 5 / 6 / 12 / 16 / 24 slower than 7).
 //   A one-wave grid that sweeps its rows in a fixed order falls behind itself on long inputs (CTAs drift
@@ -128,9 +130,10 @@ inline TilingChoice dense_tiling(bool swizzle, int64_t m_pad, int32_t kb_pad, co
   const uint64_t units = gx * uint64_t((m_pad + rows_tile.rows - 1) / rows_tile.rows);  // CTA row steps
   steps = units >= 128 * chunk_ctas ? 16 : 7;
   const bool groups_ok = swizzle && kb_pad >= 32;
-  const TilingChoice measured = groups_ok && m_pad <= 1024      ? TilingChoice::kGroups
-                                : units >= 6 * chunk_ctas ? TilingChoice::kChunks
-                                                          : TilingChoice::kRows;
+  const uint64_t chunks_from = uint64_t(swizzle ? 5 : 6) * chunk_ctas;
+  const TilingChoice measured = groups_ok && m_pad <= 1024 ? TilingChoice::kGroups
+                                : units >= chunks_from     ? TilingChoice::kChunks
+                                                           : TilingChoice::kRows;
   return pick_tiling(measured, groups_ok, true);
 }
 
