@@ -228,8 +228,9 @@ __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restri
 // A kernel of its own: folded into nvfp4_dense_kernel as a third row order, it took that kernel's one-wave
 // paths from 47-48 to 60-72 registers. Swizzled, a row step is an 8-row group in sector lanes (below): against the
 // row tile (a warp = 32 blocks of one row, each warp store touching 8 scale sectors with 4 bytes each) it measured
-// H200, 2026-11-26, % of copy: 4096 x 7168 82.85 -> 85.9, 8192 x 4096 / 7168 83.45 / 88.55 -> 85.15 / 90.65,
-// 32768 x 2048 / 4096 / 7168 90.45 / 93.55 / 94.45 -> 91.6 / 94.9 / 95.75 (benchmarks/results/quant_kernels_h200.md).
+// H200, 2026-11-26, PDL on, % of copy, means of two runs: 4096 x 7168 83.25 -> 87.05, 8192 x 4096 / 7168 84.05 /
+// 89.15 -> 85.85 / 91.75, 32768 x 2048 / 4096 / 7168 90.95 / 93.75 / 94.55 -> 92.6 / 96.0 / 97.45
+// (benchmarks/results/quant_kernels_h200.md, sixteenth session).
 template <typename T, bool SWIZZLE, bool UE8M0>
 __global__ void __launch_bounds__(kThreads, kIs16Bit<T> && !UE8M0 ? 6 : 1)
     nvfp4_dense_chunks_kernel(const T* __restrict__ in, const float* __restrict__ gsp, uint8_t* __restrict__ out,
