@@ -213,7 +213,6 @@ __device__ __forceinline__ void zero_scale_chunk(uint8_t* region, uint32_t c, co
   zero_scale_run(region + uint64_t(c) * 16, fdiv(k_tiles, c >> 5) * 128 + (c & 31), keep);
 }
 
-
 // Programmatic dependent launch (PDL, sm_90 and up). Every quantization kernel starts with pdl_enter(), before its
 // first global memory access: it waits until the grids it depends on have completed and their writes are visible
 // (griddepcontrol.wait; immediate when the launch had no programmatic dependency), then lets the next kernel of
@@ -326,14 +325,17 @@ inline dim3 chunk_grid(const Tile& t, int32_t cols, uint64_t rows, int32_t steps
   }                                  \
   return cudaErrorInvalidValue
 
+// A switch that is on unless the environment variable `name` is "0" (callers cache it: read once per process).
+inline bool env_switch_on(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 // NVFP4_PLUGIN_PDL=0 launches every kernel without the programmatic dependency (plain stream order); unset or
 // anything else: kernels that follow another kernel in the stream may start before it ends (pdl_enter). Read once
 // per process.
 inline bool pdl_on() {
-  static const bool on = [] {
-    const char* v = std::getenv("NVFP4_PLUGIN_PDL");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
+  static const bool on = env_switch_on("NVFP4_PLUGIN_PDL");
   return on;
 }
 

@@ -1036,10 +1036,7 @@ cudaError_t allow_smem(Kernel kernel, size_t smem) {
 // NVFP4_PLUGIN_QUANT_BULK=0 turns the rings off (direct loads), for benchmarks and tests; read once per process.
 template <typename T>
 bool ring_fits(const Tile& tile, int64_t k) {
-  static const bool on = [] {
-    const char* v = std::getenv("NVFP4_PLUGIN_QUANT_BULK");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
+  static const bool on = env_switch_on("NVFP4_PLUGIN_QUANT_BULK");
   return on && tile.cols % 32 == 0 && (tile.rows == 1 || int64_t(tile.cols) * 16 >= k) &&
          int64_t(tile.rows) * k * int64_t(sizeof(T)) < (int64_t(1) << 31);
 }
