@@ -425,21 +425,33 @@ def graph_cases(cuda_ops):
     }
 
 
+def capture(fn):
+    """One call of ``fn`` captured in a CUDA graph, after a warm-up call on a side stream (lazy loading and
+    occupancy queries stay outside the capture): (graph, the outputs the graph writes)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn()
+    return graph, outs
+
+
+def replay_zeroed(graph, outs) -> None:
+    """Zero the graph's outputs, replay it and wait: every byte compared afterwards was written by the replay."""
+    for t in outs:
+        t.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 def test_cuda_graph_capture_and_replay(cuda_ops):
     for name, fn in graph_cases(cuda_ops).items():
         eager = [t.clone() for t in fn()]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()  # warm-up (lazy loading, occupancy queries) outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = fn()
-        for t in outs:
-            t.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
+        graph, outs = capture(fn)
+        replay_zeroed(graph, outs)
         for i, (a, b) in enumerate(zip(outs, eager)):
             assert_same_bytes(a, b, f"{name} output {i} after graph replay")
 
@@ -492,20 +504,10 @@ def test_dependent_kernels_back_to_back(cuda_ops, m):
     for i, xi in enumerate(xs):
         x.copy_(xi)
         check([t.clone() for t in chain()], f"eager, input {i}")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = chain()
+    graph, outs = capture(chain)
     for i, xi in enumerate(xs):
         x.copy_(xi)
-        for t in outs:
-            t.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
+        replay_zeroed(graph, outs)
         check(outs, f"graph, input {i}")
     assert not wrong, "\n".join(wrong)
 
