@@ -7,8 +7,14 @@ and the peers' kernels (sgl-kernel, vLLM) when they import, all in one process.
 
 Effective bandwidth = (bytes read + bytes written by the op, counted once) / kernel time. Inputs
 rotate over enough copies that each replay reads more than 2 x 60 MB (beyond L2). Times come from
-CUDA-graph replays of R calls (no launch or Python overhead; M = 1 is thus the kernel time), except
-the reference, which is timed eagerly. The compiled kernels launch with programmatic dependent launch
+CUDA-graph replays of a chain of calls (no launch or Python overhead; M = 1 is thus the kernel time),
+except the reference, which is timed eagerly. A graph holds --calls calls (default 32, cycling the
+copies; fewer where they would move more than 4 GiB, never fewer than the copies): each graph launch
+costs about 2 us on top of its kernels, which a graph of 2 calls of 20 us each would charge to the
+op (H200, 2026-11-26, dense 8192 x 4096: 88.4% of copy in graphs of its 2 copies, 91.9% in graphs of
+32 calls; a plain copy of the same bytes 89.0% in graphs of its 3 copies, 91.6% in graphs of 32).
+`--calls 0` gives graphs of the copies only. The "same-size copy" column is Tensor.copy_ of the op's
+bytes (half read, half written), timed the same way: the ceiling at that size. The compiled kernels launch with programmatic dependent launch
 unless NVFP4_PLUGIN_PDL=0, so each replayed call may start while the call before it ends (its wait
 still orders it); run once with NVFP4_PLUGIN_PDL=0 for plain stream-order times.
 Ops and shapes (M x K, K in {2048, 4096, 7168}):
@@ -42,7 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import device_copy_bandwidth, time_any, time_eager  # noqa: E402
+from benchmarks.common import device_copy_bandwidth, time_any, time_eager, time_graph  # noqa: E402
 from nvfp4_plugin import _ext  # noqa: E402
 from nvfp4_plugin import numerics as nx  # noqa: E402
 from nvfp4_plugin import reference as ref  # noqa: E402
@@ -50,6 +56,8 @@ from nvfp4_plugin import reference as ref  # noqa: E402
 M_SIZES = (1, 16, 128, 1024, 8192, 32768)
 K_SIZES = (2048, 4096, 7168)
 L2_BYTES = 60 * 2**20
+CALLS = 32  # calls per CUDA graph (--calls)
+GRAPH_BYTES = 4 * 2**30  # at most this many bytes moved per graph replay, beyond the copies
 TOPK, E_EXPERTS, E_LOCAL = 8, 256, 32
 
 
@@ -162,6 +170,22 @@ def copies(nbytes: int) -> int:
     return max(2, min(64, math.ceil(2 * L2_BYTES / max(nbytes, 1))))
 
 
+def graph_calls(case_args: list, moved: int, calls: int) -> list:
+    """The argument tuples of one graph: the copies, cycled to `calls` calls (at most GRAPH_BYTES moved)."""
+    n = max(len(case_args), min(calls, GRAPH_BYTES // max(moved, 1)))
+    return (case_args * math.ceil(n / len(case_args)))[:n]
+
+
+def same_size_copy(moved: int, calls: int) -> float:
+    """Seconds per Tensor.copy_ of moved // 2 bytes (read + written = moved), in graphs like the ops'."""
+    half = max(moved // 2 // 16 * 16, 16)
+    srcs = [torch.empty(half // 2, dtype=torch.bfloat16, device="cuda").normal_() for _ in range(copies(half))]
+    dst = torch.empty_like(srcs[0])
+    t = time_graph(lambda s: dst.copy_(s), graph_calls([(s,) for s in srcs], 2 * half, calls))
+    del srcs, dst
+    return t * moved / (2 * half)
+
+
 def ours(op: str):
     from nvfp4_plugin import _cuda_ops as c
 
@@ -221,6 +245,8 @@ def main() -> int:
     ap.add_argument("--m-sizes", type=int, nargs="+", help=f"M values (default {M_SIZES}; --quick: 1 128 8192)")
     ap.add_argument("--k-sizes", type=int, nargs="+", help=f"K values (default {K_SIZES}; --quick: 4096 7168)")
     ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--calls", type=int, default=CALLS,
+                    help=f"calls per CUDA graph (default {CALLS}; 0: the input copies only)")
     args = ap.parse_args()
     why = _ext.extension_runs_on(torch.device("cuda"))
     if why is not None:
@@ -236,15 +262,21 @@ def main() -> int:
           f"{copy_bw / 1e12:.2f} TB/s (read + write)")
     print(f"peers: {sorted(peers) or 'none'}; missing: {loaded['missing'] or 'none'}")
     rows = []
-    header = f"{'op':22s} {'M':>6s} {'K':>5s} {'time us':>9s} {'TB/s':>6s} {'% copy':>7s}  peers / reference"
+    same_copy = {}  # bytes moved -> seconds of a same-size copy
+    header = (f"{'op':22s} {'M':>6s} {'K':>5s} {'time us':>9s} {'TB/s':>6s} {'% copy':>7s} {'same-size copy':>14s}  "
+              "peers / reference")
     print(header)
     for op in args.ops:
         for m in m_sizes:
             for k in k_sizes:
                 case_args, moved, note = make_case(op, m, k, seed=m + k)
+                case_args = graph_calls(case_args, moved, args.calls)
                 t, how = time_any(ours(op), case_args)
-                row = {"op": op, "M": m, "K": k, "bytes": moved, "time_s": t, "timing": how,
-                       "tbps": moved / t / 1e12, "pct_copy": 100 * moved / t / copy_bw, "note": note, "peers": {}}
+                if moved not in same_copy:
+                    same_copy[moved] = same_size_copy(moved, args.calls)
+                row = {"op": op, "M": m, "K": k, "bytes": moved, "time_s": t, "timing": how, "calls": len(case_args),
+                       "tbps": moved / t / 1e12, "pct_copy": 100 * moved / t / copy_bw, "note": note, "peers": {},
+                       "same_size_copy_pct": 100 * moved / same_copy[moved] / copy_bw}
                 for name in PEER_FOR.get(op, ()):
                     if name in peers:
                         try:
@@ -265,8 +297,8 @@ def main() -> int:
                     f"{n}: {p['error']}" for n, p in row["peers"].items())
                 if "reference" in row and "speedup" in row["reference"]:
                     extra += f"  reference x{row['reference']['speedup']:.0f}"
-                print(f"{op:22s} {m:6d} {k:5d} {t * 1e6:9.2f} {row['tbps']:6.2f} {row['pct_copy']:6.1f}%  {extra}",
-                      flush=True)
+                print(f"{op:22s} {m:6d} {k:5d} {t * 1e6:9.2f} {row['tbps']:6.2f} {row['pct_copy']:6.1f}% "
+                      f"{row['same_size_copy_pct']:13.1f}%  {extra}", flush=True)
                 del case_args
                 torch.cuda.empty_cache()
     write_results(args.out, rows, copy_bw, props, loaded["missing"])
@@ -288,15 +320,17 @@ def write_results(out: Path, rows, copy_bw, props, missing) -> None:
     (out / f"quant-{stamp}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [f"# Quantization kernels, {props.name} ({meta['date']}, commit {commit}, torch {torch.__version__})", "",
              f"Device copy: {copy_bw / 1e12:.2f} TB/s (bytes read + written). Command: `{meta['command']}`. "
-             f"Programmatic dependent launch: {'on' if meta['pdl'] else 'off (NVFP4_PLUGIN_PDL=0)'}.", "",
-             "| op | M | K | time (us) | TB/s | % of copy | peers (% of copy, us) | reference speedup |",
-             "|---|---:|---:|---:|---:|---:|---|---:|"]
+             f"Programmatic dependent launch: {'on' if meta['pdl'] else 'off (NVFP4_PLUGIN_PDL=0)'}. "
+             "Calls per CUDA graph: the `calls` column.", "",
+             "| op | M | K | time (us) | TB/s | % of copy | same-size copy (% of copy) | calls | peers (% of copy, us) "
+             "| reference speedup |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         peers = "; ".join(f"{n} {p['pct_copy']:.0f}% {p['time_s'] * 1e6:.1f}" if "pct_copy" in p else f"{n}: error"
                           for n, p in r["peers"].items())
         refs = f"x{r['reference']['speedup']:.0f}" if "speedup" in r.get("reference", {}) else ""
         lines.append(f"| {r['op']} | {r['M']} | {r['K']} | {r['time_s'] * 1e6:.2f} | {r['tbps']:.2f} | "
-                     f"{r['pct_copy']:.1f} | {peers} | {refs} |")
+                     f"{r['pct_copy']:.1f} | {r['same_size_copy_pct']:.1f} | {r['calls']} | {peers} | {refs} |")
     (out / f"quant-{stamp}.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out / f'quant-{stamp}.md'} and .json")
 
