@@ -13,8 +13,9 @@ copies; fewer where they would move more than 4 GiB, never fewer than the copies
 costs about 2 us on top of its kernels, which a graph of 2 calls of 20 us each would charge to the
 op (H200, 2026-11-26, dense 8192 x 4096: 88.4% of copy in graphs of its 2 copies, 91.9% in graphs of
 32 calls; a plain copy of the same bytes 89.0% in graphs of its 3 copies, 91.6% in graphs of 32).
-`--calls 0` gives graphs of the copies only. The "same-size copy" column is Tensor.copy_ of the op's
-bytes (half read, half written), timed the same way: the ceiling at that size. The compiled kernels launch with programmatic dependent launch
+`--calls 0` gives graphs of the copies only. The "same-size copy" column is a copy of the op's bytes
+(half read, half written; Tensor.copy_ or torch.neg, the faster), timed the same way: the ceiling at
+that size. The compiled kernels launch with programmatic dependent launch
 unless NVFP4_PLUGIN_PDL=0, so each replayed call may start while the call before it ends (its wait
 still orders it); run once with NVFP4_PLUGIN_PDL=0 for plain stream-order times.
 Ops and shapes (M x K, K in {2048, 4096, 7168}):
@@ -177,11 +178,14 @@ def graph_calls(case_args: list, moved: int, calls: int) -> list:
 
 
 def same_size_copy(moved: int, calls: int) -> float:
-    """Seconds per Tensor.copy_ of moved // 2 bytes (read + written = moved), in graphs like the ops'."""
-    half = max(moved // 2 // 16 * 16, 16)
+    """Seconds per copy of moved // 2 bytes (read + written = moved), in graphs like the ops': the faster of
+    Tensor.copy_ and an elementwise kernel (torch.neg), as for the device copy. The size is rounded up to
+    4 KiB: a graph's memcpy of sizes that are only 16-byte multiples measured 60-65% of copy on the H200."""
+    half = max((moved // 2 + 4095) // 4096 * 4096, 4096)
     srcs = [torch.empty(half // 2, dtype=torch.bfloat16, device="cuda").normal_() for _ in range(copies(half))]
     dst = torch.empty_like(srcs[0])
-    t = time_graph(lambda s: dst.copy_(s), graph_calls([(s,) for s in srcs], 2 * half, calls))
+    lst = graph_calls([(s,) for s in srcs], 2 * half, calls)
+    t = min(time_graph(lambda s: dst.copy_(s), lst), time_graph(lambda s: torch.neg(s, out=dst), lst))
     del srcs, dst
     return t * moved / (2 * half)
 
