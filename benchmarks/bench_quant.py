@@ -49,7 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import device_copy_bandwidth, time_any, time_eager, time_graph  # noqa: E402
+from benchmarks.common import COPY_METHODS, device_copy_bandwidth, time_any, time_eager, time_graph  # noqa: E402
 from nvfp4_plugin import _ext  # noqa: E402
 from nvfp4_plugin import numerics as nx  # noqa: E402
 from nvfp4_plugin import reference as ref  # noqa: E402
@@ -179,14 +179,14 @@ def graph_calls(case_args: list, moved: int, calls: int) -> list:
 
 def same_size_copy(moved: int, calls: int) -> float:
     """Seconds per copy of moved // 2 bytes (read + written = moved), in graphs like the ops': the faster of
-    Tensor.copy_ and an elementwise kernel (torch.neg), as for the device copy. The size is rounded up to
+    the COPY_METHODS (Tensor.copy_ and torch.neg), as for the device copy. The size is rounded up to
     4 KiB: on the H200 a graph's memcpy of sizes that are not multiples of 256 bytes ran at 2.5-2.7 TB/s
     (4.2 TB/s rounded, and torch.neg either way)."""
     half = max((moved // 2 + 4095) // 4096 * 4096, 4096)
     srcs = [torch.empty(half // 2, dtype=torch.bfloat16, device="cuda").normal_() for _ in range(copies(half))]
     dst = torch.empty_like(srcs[0])
     lst = graph_calls([(s,) for s in srcs], 2 * half, calls)
-    t = min(time_graph(lambda s: dst.copy_(s), lst), time_graph(lambda s: torch.neg(s, out=dst), lst))
+    t = min(time_graph(lambda s, copy=copy: copy(s, dst), lst) for copy in COPY_METHODS.values())
     del srcs, dst
     return t * moved / (2 * half)
 
