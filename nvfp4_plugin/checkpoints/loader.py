@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .. import numerics as nx
+from .._threads import torch_single_threaded
 from ..weights import Nvfp4Weight
 from . import formats as F
 from . import naming
@@ -589,7 +590,9 @@ def validate_checkpoint(path, *, check_block_scales: bool = True) -> Nvfp4QuantC
 
     CPU only, reads headers plus the scale tensors (block scales are 1/8 of the packed weights; skip
     them with ``check_block_scales=False`` for a header-and-scalars check). Raises
-    :class:`CheckpointError` listing every problem; returns the parsed config.
+    :class:`CheckpointError` listing every problem; returns the parsed config. Single-threaded: the
+    engines call it in launcher processes that fork their workers afterwards (:mod:`nvfp4_plugin._threads`).
     """
-    with Nvfp4Checkpoint(path, validate=True, check_block_scales=check_block_scales) as ckpt:
+    with torch_single_threaded(), Nvfp4Checkpoint(path, validate=True,
+                                                  check_block_scales=check_block_scales) as ckpt:
         return ckpt.config

@@ -50,3 +50,27 @@ def test_non_nvfp4_checkpoint_is_refused_with_a_clear_message(tmp_path):
     d = model_dir(tmp_path, {"quant_method": "modelopt", "quant_algo": "FP8"})
     with pytest.raises(ValueError, match="--quantization nvfp4: the checkpoint is not an NVFP4 checkpoint .*'quant_algo': expected one of .*got 'FP8'"):
         ModelConfig(model=d, quantization="nvfp4", skip_tokenizer_init=True)
+
+
+def test_default_fork_start_survives_config_parsing(tmp_path):
+    """vLLM parses (and we validate) the checkpoint in the launcher, then forks the engine core; the
+    child must still run parallel torch work (it hung at its first one when our validation had
+    started the OpenMP pool in the parent)."""
+    from nvfp4_plugin.checkpoints.quantize import quantize_checkpoint
+    from nvfp4_plugin.checkpoints.random_model import make_model
+
+    from ..test_fork_safety import run_fork_child
+
+    make_model(tmp_path / "src", "llama", "small", device="cpu")
+    quantize_checkpoint(tmp_path / "src", tmp_path / "q", calibration=False, device="cpu", progress=False)
+    res = run_fork_child(f"""
+        import vllm.platforms as platforms
+        from vllm.platforms.cpu import CpuPlatform
+        platforms._current_platform = CpuPlatform()
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        from vllm.config import LoadConfig, ModelConfig, VllmConfig
+        mc = ModelConfig(model={str(tmp_path / "q")!r}, quantization="nvfp4", skip_tokenizer_init=True)
+        assert type(VllmConfig.get_quantization_config(mc, LoadConfig())).__name__ == "Nvfp4VllmConfig"
+    """)
+    assert res.returncode == 0, (res.returncode, res.stdout, res.stderr[-3000:])
