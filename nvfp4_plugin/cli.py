@@ -195,6 +195,24 @@ def check(args) -> int:
     return 0
 
 
+#: ``nvfp4-plugin bench STUDY`` -> the module of ``benchmarks/`` and its subcommand.
+BENCH_STUDIES = {"e2e": ("benchmarks.bench_e2e", "run")}
+
+
+def bench(args) -> int:
+    """Run a benchmark study of the source checkout (``benchmarks/`` is not part of the installed package)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    module, subcmd = BENCH_STUDIES[args.study]
+    if not (root / (module.replace(".", "/") + ".py")).exists():
+        print(f"nvfp4-plugin bench {args.study}: needs a source checkout of nvfp4-plugin ({module} is not installed "
+              f"with the package; looked in {root})", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, "-m", module, subcmd, *args.args], cwd=root)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="nvfp4-plugin", description="NVFP4 quantization plugin for vLLM and SGLang")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -262,9 +280,14 @@ def main(argv=None) -> int:
     p.add_argument("dir")
     p.add_argument("--no-block-scales", action="store_true", help="skip reading block-scale values")
 
+    p = sub.add_parser("bench", help="benchmark studies from a source checkout (e2e: served tokens/s; see "
+                                     "benchmarks/bench_e2e.py)")
+    p.add_argument("study", choices=BENCH_STUDIES)
+    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the study (e.g. --out DIR --engines vllm)")
+
     args = parser.parse_args(argv)
     commands = {"info": info, "demo": demo, "quantize": quantize, "make-model": make_model_cmd,
-                "dequantize": dequantize_cmd, "check": check}
+                "dequantize": dequantize_cmd, "check": check, "bench": bench}
     return commands[args.cmd](args)
 
 

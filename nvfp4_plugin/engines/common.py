@@ -86,9 +86,16 @@ def register_prepared(module: torch.nn.Module, core) -> None:
     module.nvfp4_core = core
 
 
-def finish_linear(module: torch.nn.Module, prefix: str, fmt: str, shard_sizes, act_dtype: torch.dtype) -> None:
+#: Token count the layers compile their kernels for when the engine's own limit is unknown.
+DEFAULT_WARMUP_TOKENS = 16384
+
+
+def finish_linear(module: torch.nn.Module, prefix: str, fmt: str, shard_sizes, act_dtype: torch.dtype,
+                  warmup_tokens: int | None = None) -> None:
     """After loading: the module's checkpoint parameters (names of ``fmt``) -> Nvfp4Linear, attached
-    to the module; the checkpoint parameters are removed."""
+    to the module; the checkpoint parameters are removed. Then the layer's kernels are compiled for
+    forwards of up to ``warmup_tokens`` tokens (the engine's batch limit), with and without the
+    module's bias (engines pass it on some ranks only)."""
     from ..layers import Nvfp4Linear
 
     nm = layer_tensor_names(fmt)
@@ -102,10 +109,15 @@ def finish_linear(module: torch.nn.Module, prefix: str, fmt: str, shard_sizes, a
     for name in (nm.weight, nm.block_scale, nm.weight_global, nm.input_global):
         delattr(module, name)
     register_prepared(module, core)
+    bias = getattr(module, "bias", None)
+    for b in (None, bias) if isinstance(bias, torch.Tensor) else (None,):
+        core.warmup(warmup_tokens or DEFAULT_WARMUP_TOKENS, b)
 
 
-def finish_moe(module: torch.nn.Module, prefix: str, fmt: str, act_dtype: torch.dtype) -> None:
-    """After loading: ``w13_*`` / ``w2_*`` checkpoint parameters -> Nvfp4FusedMoE on the module.
+def finish_moe(module: torch.nn.Module, prefix: str, fmt: str, act_dtype: torch.dtype, top_k: int,
+               warmup_tokens: int | None = None) -> None:
+    """After loading: ``w13_*`` / ``w2_*`` checkpoint parameters -> Nvfp4FusedMoE on the module, its
+    kernels compiled for up to ``warmup_tokens`` tokens routed to ``top_k`` experts each.
 
     w13 global scales are per expert and shard ``[E, 2]``; activation scales per expert (``[E]``) or
     per expert and shard (``[E, 2]``: gate and up read the same input, so the smallest encode
@@ -132,6 +144,7 @@ def finish_moe(module: torch.nn.Module, prefix: str, fmt: str, act_dtype: torch.
         for name in (nm.weight, nm.block_scale, nm.weight_global, nm.input_global):
             delattr(module, f"{part}_{name}")
     register_prepared(module, core)
+    core.warmup(warmup_tokens or DEFAULT_WARMUP_TOKENS, top_k)
 
 
 def override_for(engine_flag: str, name: str, hf_quant_cfg) -> str | None:

@@ -21,7 +21,7 @@ from .. import numerics as nx
 from .._checks import check_choice, check_shape, check_tensor
 from . import triton_w4 as tk
 from .layout import PackedW4Weight
-from .select import W4Config, _num_sms, select_config
+from .select import W4Config, _num_sms, config_fn, first_sizes, select_config
 
 MODES = ("w4a16", "w4a4")
 logger = logging.getLogger("nvfp4_plugin")
@@ -297,9 +297,50 @@ def w4_linear(x: torch.Tensor, weight: PackedW4Weight, bias: torch.Tensor | None
     return y.reshape(*lead, n)
 
 
+def _dense_variant(m: int, lay, cfg: W4Config, sms: int) -> tuple:
+    """What :func:`w4_linear` compiles and launches for ``m`` rows under ``cfg`` (its kernel
+    variants: configs and compile-time switches; sizes are not specialized on)."""
+    if cfg.dequant_mm:
+        return ("dequant_mm",)
+    g = _gluon() if cfg.gluon else None
+    if g is not None:
+        return ("gluon", cfg, g.dense_plan(m, lay, cfg, sms)[0] > 1)
+    cfg = _without_gluon(cfg) if cfg.gluon else cfg
+    return ("triton", cfg, cfg.split_k > 1)
+
+
+def warmup_sizes_linear(weight: PackedW4Weight, max_tokens: int) -> list[int]:
+    """Token counts (ascending) whose :func:`w4_linear` calls together launch every kernel variant that
+    any count in ``1..max_tokens`` can launch: run them once at start-up and no later call compiles."""
+    lay = weight.layout
+    sel = config_fn("dense", lay.n, lay.k, device=weight.device)
+    sms = _num_sms(weight.device.index if weight.device.type == "cuda" else None)
+    return first_sizes(lambda m: _dense_variant(m, lay, sel(m), sms), max_tokens)
+
+
+def warmup_sizes_fused_moe(w13: PackedW4Weight, w2: PackedW4Weight, top_k: int, max_tokens: int) -> list[int]:
+    """Token counts (ascending) whose :func:`w4_fused_moe` calls (``top_k`` experts per token)
+    together launch every kernel variant that any count in ``1..max_tokens`` can launch."""
+    num_e = w13.layout.lead_shape[0]
+    sel13 = config_fn("grouped", w13.layout.n, w13.layout.k, num_e, device=w13.device)
+    sel2 = config_fn("grouped", w2.layout.n, w2.layout.k, num_e, device=w2.device)
+
+    def variant(t: int) -> tuple:
+        rows = t * top_k
+        return sel13(rows), sel2(rows), _compact_experts(rows, num_e) > 0
+
+    return first_sizes(variant, max_tokens)
+
+
 # ----------------------------------------------------------------------------------------------
 # grouped by expert offsets
 # ----------------------------------------------------------------------------------------------
+
+def _compact_experts(rows: int, num_e: int) -> int:
+    """Fewer rows than experts (decode): launch one slot per possibly active expert, each finding its
+    expert from the offsets on the device (no host sync); 0 otherwise."""
+    return num_e if rows < num_e <= 1024 else 0
+
 
 def _check_expert_input_scales(input_global_scale, num_e: int, device) -> None:
     """mode='w4a4' of the grouped and masked GEMMs: one fp32 activation encode scale per expert."""
@@ -384,9 +425,7 @@ def w4_grouped(x: torch.Tensor, weight: PackedW4Weight, expert_offsets: torch.Te
         x = x.contiguous()
     cfg = config or select_config("grouped", rows, n, k, num_e, device=x.device)
     ms = _m_split(cfg, rows, num_e)
-    # At most `rows` experts have rows: fewer rows than experts (decode) launch one slot per possible
-    # active expert, each finding its expert from the offsets on the device (no host sync).
-    compact = num_e if rows < num_e <= 1024 else 0
+    compact = _compact_experts(rows, num_e)
     if cfg.gluon:
         g = _gluon()
         if g is not None and not compact:

@@ -154,7 +154,9 @@ def _g_store_y(out, y_ptr, bias_ptr, offs_m, offs_n, n_ok, mask, stride_ym, st_l
     gl.store(ptrs, res.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@gluon.jit
+# Sizes that vary from call to call are not specialized on (value 1, multiple of 16): the kernels a
+# layer warms up at start-up are then the ones every later call finds compiled.
+@gluon.jit(do_not_specialize=["M", "SPLIT_K", "M_SPLIT", "DP_TILES"])
 def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, actscale_ptr, aux_ptr, scatter_ptr,
                     rowscale_ptr, M, N, K_pad, stride_qe, stride_qn, stride_se, stride_sn, stride_ae, stride_ym,
                     SPLIT_K, M_SPLIT, DP_TILES,
@@ -273,7 +275,7 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, ac
         mbarrier.invalidate(bars.index(i))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "N0", "SPLIT_K"])
 def w4_splitk_reduce_kernel(ws_ptr, bias_ptr, y_ptr, M, N, N0, stride_ym, SPLIT_K, HAS_BIAS: tl.constexpr,
                             BLOCK: tl.constexpr):
     """``y[m, N0 + n] = sum_s ws[s, m, n] (+ bias[N0 + n])`` for n < N - N0, s in order (deterministic)."""
@@ -323,6 +325,18 @@ def dp_tiles(m_tiles: int, n_tiles: int, sms: int, split_tail: bool) -> int:
     return (tiles // sms) * sms // m_tiles * m_tiles
 
 
+def dense_plan(m: int, lay, cfg, sms: int) -> tuple[int, int, int, int]:
+    """``(splits, dp_tiles, tiles, m_tiles)`` of a dense launch of ``m`` rows (splits 1: no split pass)."""
+    bk = _bk(lay, cfg)
+    sk = splits(lay.k_pad, bk, cfg.split_k)
+    m_tiles, n_tiles = -(-m // cfg.bm), -(-lay.n // cfg.bn)
+    tiles = m_tiles * n_tiles
+    dp = dp_tiles(m_tiles, n_tiles, sms, cfg.split_tail) if sk > 1 else tiles
+    if dp == tiles:
+        sk = 1
+    return sk, dp, tiles, m_tiles
+
+
 def launch_dense(x2: torch.Tensor, w, y: torch.Tensor, cfg, dummy: torch.Tensor, bias=None, act_scale=None,
                  sms: int = 132) -> None:
     """``y = x2 @ dequant(w)^T * alpha (* act_scale) (+ bias)`` with :func:`w4_wgmma_kernel`.
@@ -335,12 +349,7 @@ def launch_dense(x2: torch.Tensor, w, y: torch.Tensor, cfg, dummy: torch.Tensor,
     lay = w.layout
     m = x2.shape[0]
     bm, bn, bk = cfg.bm, cfg.bn, _bk(lay, cfg)
-    sk = splits(lay.k_pad, bk, cfg.split_k)
-    m_tiles, n_tiles = -(-m // bm), -(-lay.n // bn)
-    tiles = m_tiles * n_tiles
-    dp = dp_tiles(m_tiles, n_tiles, sms, cfg.split_tail) if sk > 1 else tiles
-    if dp == tiles:
-        sk = 1
+    sk, dp, tiles, m_tiles = dense_plan(m, lay, cfg, sms)
     n0 = dp // m_tiles * bn
     d = dummy
     ws = torch.empty((sk, m, lay.n - n0), dtype=torch.float32, device=x2.device) if sk > 1 else d

@@ -293,20 +293,49 @@ def safe(cfg: W4Config) -> W4Config:
     return replace(cfg, bm=MAX_SAFE_BM)
 
 
-@functools.lru_cache(maxsize=4096)
-def _select_cached(kind: str, m: int, n: int, k: int, e: int, dev_key: str, sms: int) -> W4Config:
+def _select(kind: str, m: int, n: int, k: int, e: int, dev_key: str, sms: int) -> W4Config:
     table = load_table(dev_key).get(kind, {})
-    bucket_size = m
-    cfg = _lookup(table.get(shape_key(kind, n, k, e), {}), bucket_size)
+    cfg = _lookup(table.get(shape_key(kind, n, k, e), {}), m)
     return safe(cfg if cfg is not None else heuristic(kind, m, n, k, e, sms))
+
+
+_select_cached = functools.lru_cache(maxsize=4096)(_select)
+
+
+def _device_args(device: torch.device | None) -> tuple[str, int]:
+    idx = device.index if device is not None and device.type == "cuda" else None
+    return device_key(device), _num_sms(idx)
 
 
 def select_config(kind: str, m: int, n: int, k: int, e: int = 1, device: torch.device | None = None) -> W4Config:
     """The config for a ``kind`` (dense / grouped / masked) GEMM of this static shape."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
-    idx = device.index if device is not None and device.type == "cuda" else None
-    return _select_cached(kind, int(m), int(n), int(k), int(e), device_key(device), _num_sms(idx))
+    return _select_cached(kind, int(m), int(n), int(k), int(e), *_device_args(device))
+
+
+def first_sizes(key, max_size: int) -> list[int]:
+    """The smallest size in ``1..max_size`` for each distinct ``key(size)``, ascending.
+
+    Warm-up picks its token counts with it: ``key`` maps a size to whatever decides which kernels
+    run and how Triton specializes them (configs, variants), so running one size per key compiles
+    everything sizes up to ``max_size`` can launch."""
+    seen, out = set(), []
+    for size in range(1, max(1, int(max_size)) + 1):
+        kk = key(size)
+        if kk not in seen:
+            seen.add(kk)
+            out.append(size)
+    return out
+
+
+def config_fn(kind: str, n: int, k: int, e: int = 1, device: torch.device | None = None):
+    """``size -> select_config(kind, size, n, k, e)`` without filling the per-shape lookup cache (for
+    scans over every size, see :func:`first_sizes`)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+    dev = _device_args(device)
+    return lambda size: _select(kind, int(size), int(n), int(k), int(e), *dev)
 
 
 def clear_cache() -> None:

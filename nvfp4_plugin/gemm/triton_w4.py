@@ -428,7 +428,7 @@ def w4_gemm_kernel(
 # W4A4 activation staging: NVFP4 codes + E4M3 scales -> e2m1 * s (exact in bf16/fp16).
 # ----------------------------------------------------------------------------------------------
 
-@_jit
+@_jit(do_not_specialize=["R"])
 def fp4_act_decode_kernel(q_ptr, s_ptr, srow_ptr, out_ptr, R, K, stride_q, stride_s, stride_o, k_tiles,
                           SWIZZLED: tl.constexpr, HAS_SROW: tl.constexpr, BR: tl.constexpr, BKB: tl.constexpr):
     """``out[r, k] = e2m1(q[r, k]) * s[srow(r), k // 16]`` (the global scale goes to the GEMM epilogue)."""

@@ -15,6 +15,8 @@ selection, Triton launches) and CUDA graphs capture whatever it launches.
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 
 import torch
 
@@ -30,6 +32,7 @@ class _Layer:
     parameters holding the same data, see :meth:`use_tensors`) and static ``meta``."""
 
     backend: Backend
+    spec: LinearSpec | MoeSpec
     tensors: dict
     meta: object
     out_features: int
@@ -38,6 +41,22 @@ class _Layer:
         self.out_features = out_features
         self.key = next(_KEYS)
         _LAYERS[self.key] = self
+
+    def _warm(self, key: tuple, sizes: list[int], run) -> None:
+        """Run ``run(m)`` for each token count of ``sizes``, once per process and ``key`` (the layer
+        shape): whatever those forwards compile is then ready before the engine serves."""
+        if not sizes or key in _WARMED:
+            return
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for m in sizes:
+                run(m)
+        if self.spec.device.type == "cuda":
+            torch.cuda.synchronize(self.spec.device)
+            torch.cuda.empty_cache()     # the engines size their caches from the memory left after loading
+        _WARMED.add(key)
+        logger.info("nvfp4_plugin: compiled %s kernels for %s at start-up: %d token counts %s in %.1f s",
+                    self.backend.name, key[0], len(sizes), sizes, time.perf_counter() - t0)
 
     def use_tensors(self, tensors: dict) -> None:
         """Replace the prepared tensors by objects holding the same data (e.g. module parameters)."""
@@ -54,6 +73,9 @@ MOE_BACKENDS: list[type[Backend]] = [HopperMoe, ReferenceMoe]
 # choice) then never depends on which backend prepared the layer or on its tensor names.
 _LAYERS: dict[int, _Layer] = {}
 _KEYS = itertools.count()
+#: Layer shapes whose kernels :meth:`_Layer._warm` already compiled in this process.
+_WARMED: set = set()
+logger = logging.getLogger("nvfp4_plugin")
 
 
 @torch.library.custom_op("nvfp4_layers::linear", mutates_args=())
@@ -84,13 +106,24 @@ class Nvfp4Linear(_Layer):
     def __init__(self, weight: Nvfp4Weight, input_global_scale: torch.Tensor | None = None,
                  act_dtype: torch.dtype = torch.bfloat16):
         self.mode = resolve_mode(input_global_scale is not None)
-        spec = LinearSpec(weight.n, weight.k, act_dtype, self.mode, weight.packed.device)
+        self.spec = spec = LinearSpec(weight.n, weight.k, act_dtype, self.mode, weight.packed.device)
         self.backend = select_backend("linear", LINEAR_BACKENDS, spec, ENV_LINEAR_BACKEND)
         self.tensors, self.meta = self.backend.prepare(spec, weight, input_global_scale)
         self._register(weight.n)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return _linear_op(x, bias, self.key)
+
+    def warmup(self, max_tokens: int, bias: torch.Tensor | None = None) -> None:
+        """Compile (or load from Triton's cache) every kernel a forward of 1..``max_tokens`` tokens with
+        this ``bias`` can launch, so that no request waits for a compiler. Call after loading."""
+        sizes = self.backend.warmup_sizes(self.tensors, self.meta, max_tokens)
+        if not sizes:
+            return
+        s = self.spec
+        x = torch.zeros(max(sizes), s.k, dtype=s.act_dtype, device=s.device)
+        key = (f"linear N={s.n} K={s.k}", s, None if bias is None else bias.dtype, max_tokens)
+        self._warm(key, sizes, lambda m: self(x[:m], bias))
 
 
 class Nvfp4FusedMoE(_Layer):
@@ -105,13 +138,29 @@ class Nvfp4FusedMoE(_Layer):
         if w2.lead_shape[0] != e or w2.n != h or w2.k * 2 != two_i:
             raise ValueError(f"w2: expected [E={e}, H={h}, I={two_i // 2}], got [{w2.lead_shape[0]}, {w2.n}, {w2.k}]")
         self.mode = resolve_mode(a13_global_scale is not None and a2_global_scale is not None)
-        spec = MoeSpec(e, h, two_i // 2, act_dtype, self.mode, w13.packed.device)
+        self.spec = spec = MoeSpec(e, h, two_i // 2, act_dtype, self.mode, w13.packed.device)
         self.backend = select_backend("moe", MOE_BACKENDS, spec, ENV_MOE_BACKEND)
         self.tensors, self.meta = self.backend.prepare(spec, w13, w2, a13_global_scale, a2_global_scale)
         self._register(h)
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return _moe_op(x, topk_weights, topk_ids, self.key)
+
+    def warmup(self, max_tokens: int, top_k: int) -> None:
+        """Compile every kernel a forward of 1..``max_tokens`` tokens routed to ``top_k`` experts each can
+        launch (the kernels depend on the routed row count only). Call after loading."""
+        s = self.spec
+        if not 1 <= top_k <= s.num_experts:
+            raise ValueError(f"top_k: expected 1..{s.num_experts} (the number of experts), got {top_k}")
+        sizes = self.backend.warmup_sizes(self.tensors, self.meta, max_tokens, top_k=top_k)
+        if not sizes:
+            return
+        t = max(sizes)
+        x = torch.zeros(t, s.hidden, dtype=s.act_dtype, device=s.device)
+        ids = (torch.arange(t * top_k, device=s.device) % s.num_experts).to(torch.int32).view(t, top_k)
+        w = torch.full((t, top_k), 1.0 / top_k, dtype=torch.float32, device=s.device)
+        key = (f"fused MoE E={s.num_experts} H={s.hidden} I={s.intermediate} top_k={top_k}", s, max_tokens)
+        self._warm(key, sizes, lambda m: self(x[:m], w[:m], ids[:m]))
 
 
 __all__ = ["Nvfp4Linear", "Nvfp4FusedMoE", "LINEAR_BACKENDS", "MOE_BACKENDS", "Nvfp4Weight"]

@@ -67,6 +67,11 @@ class Backend:
         """Forward: no host syncs, no allocation of constants, CUDA-graph safe."""
         raise NotImplementedError
 
+    def warmup_sizes(self, tensors: dict[str, torch.Tensor], meta: Any, max_tokens: int, **kw) -> list[int]:
+        """Token counts whose forwards compile everything a forward of up to ``max_tokens`` tokens can
+        launch (start-up, once per layer shape); none for backends that compile nothing."""
+        return []
+
 
 _LOGGED: set = set()
 

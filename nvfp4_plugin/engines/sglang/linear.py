@@ -15,6 +15,19 @@ from ..common import finish_linear, layer_tensor_names
 from .loading import check_all_loaded, e4m3_bytes, linear_loader
 
 
+def max_forward_tokens() -> int | None:
+    """The most tokens one SGLang forward carries (prefill chunk or limit, decode batch), None if unknown."""
+    from sglang.srt.server_args import get_global_server_args
+
+    try:
+        args = get_global_server_args()
+    except (AttributeError, AssertionError, ValueError):
+        return None
+    sizes = [getattr(args, a, None) for a in ("chunked_prefill_size", "max_prefill_tokens", "cuda_graph_max_bs")]
+    sizes = [s for s in sizes if isinstance(s, int) and s > 0]
+    return max(sizes) if sizes else None
+
+
 class Nvfp4SglangLinearMethod(LinearMethodBase):
     def __init__(self, quant_config):
         self.quant_config = quant_config
@@ -55,7 +68,7 @@ class Nvfp4SglangLinearMethod(LinearMethodBase):
         prefix = getattr(layer, "nvfp4_prefix", type(layer).__name__)
         widths = layer.logical_widths
         check_all_loaded(layer, (nm.weight, nm.block_scale), len(widths), self.quant_config.packed_modules_mapping)
-        finish_linear(layer, prefix, self.fmt, widths, layer.nvfp4_act_dtype)
+        finish_linear(layer, prefix, self.fmt, widths, layer.nvfp4_act_dtype, warmup_tokens=max_forward_tokens())
         del layer.nvfp4_loaded
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

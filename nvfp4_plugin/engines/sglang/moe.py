@@ -15,6 +15,7 @@ import torch
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from ..common import finish_moe, layer_tensor_names
+from .linear import max_forward_tokens
 from .loading import e4m3_bytes, expert_loader
 
 
@@ -93,7 +94,8 @@ class Nvfp4SglangFusedMoEMethod(FusedMoEMethodBase):
         self.moe_runner_config = moe_runner_config
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        finish_moe(layer, getattr(layer, "layer_name", "experts"), self.fmt, layer.nvfp4_act_dtype)
+        finish_moe(layer, getattr(layer, "layer_name", "experts"), self.fmt, layer.nvfp4_act_dtype,
+                   self.moe_runner_config.top_k, warmup_tokens=max_forward_tokens())
 
     def apply(self, layer: torch.nn.Module, dispatch_output):
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput

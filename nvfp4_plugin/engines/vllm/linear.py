@@ -9,6 +9,14 @@ from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScalePa
 from ..common import finish_linear, layer_tensor_names
 
 
+def max_batched_tokens() -> int | None:
+    """The most tokens one forward of this engine carries (None outside a vLLM config context)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    cfg = get_current_vllm_config_or_none()
+    return getattr(getattr(cfg, "scheduler_config", None), "max_num_batched_tokens", None)
+
+
 class Nvfp4VllmLinearMethod(LinearMethodBase):
     def __init__(self, quant_config):
         self.quant_config = quant_config
@@ -38,7 +46,7 @@ class Nvfp4VllmLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         finish_linear(layer, getattr(layer, "prefix", layer.__class__.__name__), self.fmt, layer.logical_widths,
-                      layer.nvfp4_act_dtype)
+                      layer.nvfp4_act_dtype, warmup_tokens=max_batched_tokens())
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return layer.nvfp4_core(x, bias)

@@ -13,6 +13,7 @@ from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightSc
 from vllm.model_executor.utils import set_weight_attrs
 
 from ..common import finish_moe, layer_tensor_names
+from .linear import max_batched_tokens
 
 
 class Nvfp4VllmFusedMoEMethod(FusedMoEMethodBase):
@@ -58,7 +59,8 @@ class Nvfp4VllmFusedMoEMethod(FusedMoEMethodBase):
         add(f"w2_{nm.input_global}", (num_experts,), torch.float32, nan, quant_method=tensor)
 
     def process_weights_after_loading(self, layer) -> None:
-        finish_moe(layer, getattr(layer, "layer_name", "experts"), self.fmt, layer.nvfp4_act_dtype)
+        finish_moe(layer, getattr(layer, "layer_name", "experts"), self.fmt, layer.nvfp4_act_dtype,
+                   self.moe.experts_per_token, warmup_tokens=max_batched_tokens())
 
     def get_fused_moe_quant_config(self, layer):
         return None

@@ -69,6 +69,11 @@ class HopperLinear(_Hopper):
         layout, mode = meta
         return w4_linear(x, _unpacked("w_", layout, t), bias, mode=mode, input_global_scale=t.get("input_global_scale"))
 
+    def warmup_sizes(self, t, meta, max_tokens, **kw):
+        from ...gemm import warmup_sizes_linear
+
+        return warmup_sizes_linear(_unpacked("w_", meta[0], t), max_tokens)
+
 
 class HopperMoe(_Hopper):
     def prepare(self, spec, w13: Nvfp4Weight, w2: Nvfp4Weight, a13_global_scale, a2_global_scale):
@@ -86,3 +91,9 @@ class HopperMoe(_Hopper):
         l13, l2, mode = meta
         return w4_fused_moe(x, _unpacked("w13_", l13, t), _unpacked("w2_", l2, t), topk_weights, topk_ids, mode=mode,
                             a13_global_scale=t.get("a13_global_scale"), a2_global_scale=t.get("a2_global_scale"))
+
+    def warmup_sizes(self, t, meta, max_tokens, *, top_k: int, **kw):
+        from ...gemm import warmup_sizes_fused_moe
+
+        l13, l2, _ = meta
+        return warmup_sizes_fused_moe(_unpacked("w13_", l13, t), _unpacked("w2_", l2, t), top_k, max_tokens)

@@ -1,0 +1,594 @@
+#!/usr/bin/env python3
+"""End-to-end served throughput: our NVFP4 layers against the engines' built-in NVFP4 and bf16.
+
+    python -m benchmarks.bench_e2e run --out DIR                 # models, every engine config, report
+    python -m benchmarks.bench_e2e run --out DIR --engines vllm --models dense --configs ours marlin
+    python -m benchmarks.bench_e2e report DIR                    # table + plot from DIR's JSON results
+    nvfp4-plugin bench e2e --out DIR ...                         # the same as `run`
+
+On the GPU machine, with the vLLM bundle (and, for `--engines sglang`, the SGLang bundle) on
+``PYTHONPATH``. `run` builds two random-weight checkpoints with ``nvfp4-plugin make-model`` (the
+Llama-3-8B shape, "dense"; the Qwen3-30B-A3B shape with 12 layers, "moe") and quantizes each with
+our quantizer (calibrated ModelOpt NVFP4). Then every engine configuration runs in its own process,
+started as a user starts it (``vllm.LLM`` with vLLM's default start method, ``sglang.Engine``):
+
+    vllm:   bf16 | marlin (built-in modelopt_fp4, default backend) | humming (the same, Humming
+            kernels) | ours (--quantization nvfp4)
+    sglang: bf16 | builtin (modelopt_fp4) | ours
+
+Each measures decode throughput at every batch size of ``--batches`` (``--prompt-len`` prompt tokens,
+``--gen-len`` generated tokens with ``ignore_eos``; output tokens per second of wall time, prefill
+included), run twice with fresh random prompts: the first run is the warm-up and the second the
+number, both recorded. Prefill: ``--prefill`` prompts (64 x 896 by default) generating one token,
+prompt tokens per second. With ``--profile-batches``, vLLM's torch profiler records decode steps
+of the NVFP4 configurations at those batch sizes: kernels by time per step and share. With
+``--serve``, ``vllm serve`` of ours and of the best built-in answers streaming completions from
+``--concurrency`` clients: tokens/s, time to first token and inter-token latency (p50 / p99).
+
+Results: one JSON per configuration in DIR, ``e2e.md`` (tables, ratios, the floors of the
+end-to-end issue) and ``e2e.png`` (tokens/s against batch size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MODELS = {"dense": ("llama", "Llama-3-8B shape"), "moe": ("qwen3_moe", "Qwen3-30B-A3B shape, 12 layers")}
+#: engine -> config -> (checkpoint kind, --quantization, extra engine arguments)
+CONFIGS = {
+    "vllm": {
+        "bf16": ("bf16", None, {}),
+        "marlin": ("nvfp4", None, {}),
+        "humming": ("nvfp4", None, {"linear_backend": "humming", "moe_backend": "humming"}),
+        "ours": ("nvfp4", "nvfp4", {}),
+    },
+    "sglang": {
+        "bf16": ("bf16", None, {}),
+        "builtin": ("nvfp4", None, {}),
+        "ours": ("nvfp4", "nvfp4", {}),
+    },
+}
+BUILTIN = {"vllm": ("marlin", "humming"), "sglang": ("builtin",)}
+DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+# ------------------------------------------------------------------------------------------------
+# models
+# ------------------------------------------------------------------------------------------------
+
+def build_models(model_dir: Path, models) -> dict[str, dict[str, Path]]:
+    """``{model: {"bf16": dir, "nvfp4": dir}}``, made with our CLI where missing."""
+    out = {}
+    for name in models:
+        arch = MODELS[name][0]
+        bf16, q = model_dir / f"{name}-bf16", model_dir / f"{name}-nvfp4"
+        cli = [sys.executable, "-m", "nvfp4_plugin.cli"]
+        if not (bf16 / "config.json").exists():
+            subprocess.run([*cli, "make-model", str(bf16), "--arch", arch, "--size", "8b-shape"], check=True, cwd=ROOT)
+        if not (q / "config.json").exists():
+            subprocess.run([*cli, "quantize", str(bf16), str(q), "--format", "modelopt"], check=True, cwd=ROOT)
+        out[name] = {"bf16": bf16, "nvfp4": q}
+    return out
+
+
+def plugin_env() -> dict:
+    """Environment of the engine processes: the source tree importable and its entry points visible
+    (a dist-info folder, as ``pip install`` would write) unless the package is installed."""
+    env = dict(os.environ)
+    env.pop("VLLM_WORKER_MULTIPROC_METHOD", None)        # vLLM's default start method, as users get it
+    env["PYTHONUNBUFFERED"] = "1"
+    from importlib.metadata import entry_points
+
+    if not any(ep.name == "nvfp4" for ep in entry_points(group="vllm.general_plugins")):
+        ep_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "nvfp4-e2e-ep"
+        subprocess.run([sys.executable, str(ROOT / "integration" / "entry_points.py"), str(ep_dir)], check=True,
+                       capture_output=True)
+        env["PYTHONPATH"] = os.pathsep.join([str(ep_dir), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+# ------------------------------------------------------------------------------------------------
+# worker: one engine configuration in this process
+# ------------------------------------------------------------------------------------------------
+
+def tokenizer_vocab(model_path) -> int:
+    """Token ids a prompt may use: the checkpoint's tokenizer vocabulary (engines refuse ids past it)."""
+    tok = json.loads((Path(model_path) / "tokenizer.json").read_text())
+    return 1 + max([*tok["model"]["vocab"].values(), *(t["id"] for t in tok.get("added_tokens", []))])
+
+
+class Prompts:
+    """Fresh random token ids for every run (no prefix-cache hits between runs)."""
+
+    def __init__(self, vocab: int, seed: int = 0):
+        self.vocab, self.rng = vocab, random.Random(seed)
+
+    def __call__(self, n: int, length: int) -> list[list[int]]:
+        return [[self.rng.randrange(10, self.vocab) for _ in range(length)] for _ in range(n)]
+
+
+def kernel_table(trace_path: str, steps: int, top: int = 15) -> dict:
+    """Kernels (and copies) of a torch-profiler chrome trace: total µs per step, share, calls per step."""
+    opener = gzip.open if trace_path.endswith(".gz") else open
+    with opener(trace_path, "rt") as f:
+        events = json.load(f)
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            by_name.setdefault(e["name"], []).append(float(e.get("dur", 0.0)))
+    total = sum(sum(v) for v in by_name.values())
+    rows = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)
+    return {"steps": steps, "gpu_us_per_step": total / steps,
+            "kernels": [{"name": k[:120], "us_per_step": t / steps, "share": t / total if total else 0.0,
+                         "calls_per_step": n / steps} for t, n, k in rows[:top]]}
+
+
+def _vllm_worker(a, result: dict) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    _, quant, extra = CONFIGS["vllm"][a.config]
+    kw = dict(model=a.model_path, seed=0, gpu_memory_utilization=a.mem_fraction, max_model_len=a.max_model_len,
+              **extra)
+    if quant:
+        kw["quantization"] = quant
+    prof_dir = None
+    if a.profile_batches:
+        prof_dir = str(Path(a.out).with_suffix("") ) + "-traces"
+        os.makedirs(prof_dir, exist_ok=True)
+        kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": prof_dir, "torch_profiler_with_stack": False,
+                                 "ignore_frontend": True, "delay_iterations": a.profile_delay,
+                                 "max_iterations": a.profile_steps}
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    result["startup_s"] = round(time.perf_counter() - t0, 1)
+    # vLLM switches to spawn (and says so in this variable) when the parent cannot fork safely
+    result["start_method"] = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    vocab = min(len(llm.get_tokenizer()), llm.llm_engine.model_config.get_vocab_size())
+    prompts = Prompts(vocab)
+
+    def timed(n: int, length: int, gen: int) -> tuple[int, float]:
+        sp = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=0.0, detokenize=False)
+        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(n, length)]
+        t = time.perf_counter()
+        outs = llm.generate(ps, sp, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t
+
+    run_sweep(result, timed, a)
+    if a.profile_batches:
+        result["profile"] = {}
+        for b in a.profile_batches:
+            timed(b, a.prompt_len, a.profile_delay + a.profile_steps + 8)     # warm-up of this shape
+            before = set(glob.glob(os.path.join(prof_dir, "*.json*")))
+            llm.start_profile()
+            timed(b, a.prompt_len, a.profile_delay + a.profile_steps + 8)
+            llm.stop_profile()
+            # (vLLM names every trace after the first start's prefix: take the files this run added)
+            new = sorted(set(glob.glob(os.path.join(prof_dir, "*.json*"))) - before, key=os.path.getmtime)
+            if new:
+                result["profile"][str(b)] = kernel_table(new[-1], a.profile_steps)
+                result["profile"][str(b)]["trace"] = os.path.basename(new[-1])
+
+
+def _sglang_worker(a, result: dict) -> None:
+    import sglang
+
+    _, quant, extra = CONFIGS["sglang"][a.config]
+    kw = dict(model_path=a.model_path, random_seed=0, mem_fraction_static=a.mem_fraction,
+              context_length=a.max_model_len, attention_backend="triton", sampling_backend="pytorch",
+              skip_tokenizer_init=True, log_level="error", **extra)
+    if quant:
+        kw["quantization"] = quant
+    t0 = time.perf_counter()
+    engine = sglang.Engine(**kw)
+    result["startup_s"] = round(time.perf_counter() - t0, 1)
+    prompts = Prompts(tokenizer_vocab(a.model_path))
+
+    def timed(n: int, length: int, gen: int) -> tuple[int, float]:
+        sp = {"max_new_tokens": gen, "ignore_eos": True, "temperature": 0.0}
+        ids = prompts(n, length)
+        t = time.perf_counter()
+        outs = engine.generate(input_ids=ids, sampling_params=sp)
+        return sum(o["meta_info"]["completion_tokens"] for o in outs), time.perf_counter() - t
+
+    try:
+        run_sweep(result, timed, a)
+    finally:
+        engine.shutdown()
+
+
+def run_sweep(result: dict, timed, a) -> None:
+    """Decode at each batch size (warm-up run, then the measured run) and prefill, into ``result``."""
+    result["decode"] = {}
+    for b in a.batches:
+        first = timed(b, a.prompt_len, a.gen_len)
+        second = timed(b, a.prompt_len, a.gen_len)
+        result["decode"][str(b)] = {"first_tok_s": round(first[0] / first[1], 1),
+                                    "tok_s": round(second[0] / second[1], 1), "tokens": second[0],
+                                    "ms_per_step": round(1e3 * second[1] / a.gen_len, 3)}
+        print(f"[{a.engine} {a.model} {a.config}] batch {b}: {result['decode'][str(b)]}", flush=True)
+    n, length = a.prefill
+    runs = [timed(n, length, 1) for _ in range(2)]
+    result["prefill"] = {"first_tok_s": round(n * length / runs[0][1], 1), "tok_s": round(n * length / runs[1][1], 1),
+                         "prompts": n, "prompt_len": length}
+    print(f"[{a.engine} {a.model} {a.config}] prefill: {result['prefill']}", flush=True)
+
+
+def worker(a) -> int:
+    result = {"engine": a.engine, "model": a.model, "config": a.config, "model_path": a.model_path,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        (_vllm_worker if a.engine == "vllm" else _sglang_worker)(a, result)
+    except Exception as exc:  # noqa: BLE001 - recorded in the results, the run goes on
+        import traceback
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()[-4000:]
+    try:
+        import torch
+        result["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001
+        pass
+    Path(a.out).write_text(json.dumps(result, indent=1))
+    # the engines leave non-daemon threads behind; the result is written
+    sys.stdout.flush()
+    os._exit(0 if "error" not in result else 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# serving: streaming OpenAI clients against `vllm serve`
+# ------------------------------------------------------------------------------------------------
+
+def stream_completion(port: int, prompt: list[int], max_tokens: int) -> dict:
+    """One streaming completion: arrival time of each chunk and the completion token count."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    times, tokens = [], None
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("choices"):
+                times.append(time.perf_counter() - t0)
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return {"chunk_times": times, "tokens": tokens if tokens is not None else len(times)}
+
+
+def latency_stats(results: list[dict], wall: float) -> dict:
+    ttft = [r["chunk_times"][0] for r in results if r["chunk_times"]]
+    itl = [b - a for r in results for a, b in zip(r["chunk_times"], r["chunk_times"][1:])]
+
+    def pct(v, q):
+        return round(1e3 * statistics.quantiles(v, n=100, method="inclusive")[q - 1], 2) if len(v) > 1 else None
+
+    return {"tok_s": round(sum(r["tokens"] for r in results) / wall, 1), "requests": len(results),
+            "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99), "itl_ms_p50": pct(itl, 50),
+            "itl_ms_p99": pct(itl, 99)}
+
+
+def serve_bench(a, engine: str, config: str, model_path: Path, env: dict) -> dict:
+    sys.path.insert(0, str(ROOT / "integration"))
+    from serve_check import healthy, server_command
+
+    _, quant, extra = CONFIGS[engine][config]
+    args = [x for k, v in extra.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    cmd = server_command(engine, str(model_path), a.port, quant, args, a.mem_fraction)
+    if engine == "vllm":
+        cmd[cmd.index("--max-model-len") + 1] = str(a.max_model_len)
+    res = {"engine": engine, "config": config, "cmd": cmd, "concurrency": {}}
+    log = open(Path(a.out) / f"serve-{engine}-{config}.log", "w")
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        while not healthy(a.port):
+            if proc.poll() is not None or time.time() - t0 > a.timeout:
+                res["error"] = f"server not healthy (exit {proc.poll()}) after {time.time() - t0:.0f} s"
+                return res
+            time.sleep(2)
+        res["startup_s"] = round(time.time() - t0, 1)
+        prompts = Prompts(tokenizer_vocab(model_path), seed=1)
+        for c in a.concurrency:
+            for phase in ("warmup", "measure"):
+                jobs = [prompts(1, a.prompt_len)[0] for _ in range(c * a.requests_per_client)]
+                out, lock = [], threading.Lock()
+
+                def client(i):
+                    for p in jobs[i::c]:
+                        r = stream_completion(a.port, p, a.gen_len)
+                        with lock:
+                            out.append(r)
+
+                threads = [threading.Thread(target=client, args=(i,)) for i in range(c)]
+                t = time.perf_counter()
+                for th in threads:
+                    th.start()
+                for th in threads:
+                    th.join()
+                if phase == "measure":
+                    res["concurrency"][str(c)] = latency_stats(out, time.perf_counter() - t)
+                    print(f"[serve {engine} {config}] concurrency {c}: {res['concurrency'][str(c)]}", flush=True)
+    except Exception as exc:  # noqa: BLE001
+        res["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        import signal
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    return res
+
+
+# ------------------------------------------------------------------------------------------------
+# run and report
+# ------------------------------------------------------------------------------------------------
+
+def run(a) -> int:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = build_models(Path(a.model_dir), a.models)
+    env = plugin_env()
+    for engine in a.engines:
+        for model in a.models:
+            for config in a.configs or CONFIGS[engine]:
+                if config not in CONFIGS[engine]:
+                    continue
+                res_path = out / f"{engine}-{model}-{config}.json"
+                if res_path.exists() and not a.overwrite:
+                    print(f"=== {res_path.name}: already there", flush=True)
+                    continue
+                kind = CONFIGS[engine][config][0]
+                cmd = [sys.executable, "-m", "benchmarks.bench_e2e", "worker", "--engine", engine, "--model", model,
+                       "--config", config, "--model-path", str(paths[model][kind]), "--out", str(res_path),
+                       "--batches", *map(str, a.batches), "--prompt-len", str(a.prompt_len),
+                       "--gen-len", str(a.gen_len), "--prefill", *map(str, a.prefill),
+                       "--mem-fraction", str(a.mem_fraction), "--max-model-len", str(a.max_model_len)]
+                if a.profile_batches and engine == "vllm" and config != "bf16":
+                    cmd += ["--profile-batches", *map(str, a.profile_batches)]
+                print(f"=== {engine} {model} {config}", flush=True)
+                t = time.time()
+                with open(out / f"{engine}-{model}-{config}.log", "w") as log:
+                    try:
+                        subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                       timeout=a.timeout)
+                    except subprocess.TimeoutExpired:
+                        res_path.write_text(json.dumps({"engine": engine, "model": model, "config": config,
+                                                        "error": f"timed out after {a.timeout} s"}))
+                print(f"=== {engine} {model} {config}: {time.time() - t:.0f} s", flush=True)
+    if a.serve:
+        for model in a.models:
+            best = best_builtin(load_results(out), "vllm", model)
+            for config in ("ours", best):
+                if config is None:
+                    continue
+                res_path = out / f"serve-vllm-{model}-{config}.json"
+                res = serve_bench(a, "vllm", config, paths[model][CONFIGS["vllm"][config][0]], env)
+                res["model"] = model
+                res_path.write_text(json.dumps(res, indent=1))
+    report(out)
+    return 0
+
+
+def load_results(out: Path) -> list[dict]:
+    res = []
+    for p in sorted(Path(out).glob("*.json")):
+        try:
+            res.append(json.loads(p.read_text()))
+        except json.JSONDecodeError:
+            pass
+    return res
+
+
+def _decode(r: dict, b) -> float | None:
+    d = (r.get("decode") or {}).get(str(b))
+    return d["tok_s"] if d else None
+
+
+def best_builtin(results: list[dict], engine: str, model: str) -> str | None:
+    """The built-in NVFP4 configuration with the most decode tokens/s summed over the batch sizes."""
+    cands = [r for r in results if r.get("engine") == engine and r.get("model") == model
+             and r.get("config") in BUILTIN[engine] and r.get("decode")]
+    if not cands:
+        return None
+    return max(cands, key=lambda r: sum(d["tok_s"] for d in r["decode"].values()))["config"]
+
+
+def checks(results: list[dict], engine: str, model: str) -> list[str]:
+    """The end-to-end issue's floors and consistency lines, one verdict each."""
+    by = {r["config"]: r for r in results if r.get("engine") == engine and r.get("model") == model and "config" in r}
+    ours = by.get("ours")
+    lines = []
+    if not ours or not ours.get("decode"):
+        return [f"ours: no result ({(ours or {}).get('error', 'not run')})"]
+    batches = sorted(int(b) for b in ours["decode"])
+    builtins = [by[c] for c in BUILTIN[engine] if c in by and by[c].get("decode")]
+    for b in batches:
+        o = _decode(ours, b)
+        best = max((_decode(r, b) or 0.0 for r in builtins), default=None)
+        bf = _decode(by["bf16"], b) if "bf16" in by else None
+        verdict = "PASS" if (best is None or o >= best) and (bf is None or o >= bf) else "MISS"
+        lines.append(f"decode batch {b}: ours {o:.0f} vs best built-in {best or 0:.0f} ({o / best if best else 0:.2f}x), "
+                     f"bf16 {bf or 0:.0f} ({o / bf if bf else 0:.2f}x): {verdict}")
+    if ours.get("prefill") and "bf16" in by and by["bf16"].get("prefill"):
+        o, bf = ours["prefill"]["tok_s"], by["bf16"]["prefill"]["tok_s"]
+        need = 0.95 if model == "dense" else 1.0
+        lines.append(f"prefill: ours {o:.0f} vs bf16 {bf:.0f} ({o / bf:.2f}x, floor {need}x): "
+                     f"{'PASS' if o >= need * bf else 'MISS'}")
+    drops = [(b0, b1) for b0, b1 in zip(batches, batches[1:]) if _decode(ours, b1) < 0.95 * _decode(ours, b0)]
+    lines.append("tokens/s never falls by more than 5% to the next larger batch: "
+                 + ("PASS" if not drops else "MISS at " + ", ".join(f"{x}->{y}" for x, y in drops)))
+    slow_first = [b for b in batches if ours["decode"][str(b)]["first_tok_s"] < 0.95 * ours["decode"][str(b)]["tok_s"]]
+    lines.append("first run of each shape within 5% of the second: "
+                 + ("PASS" if not slow_first else "MISS at batch " + ", ".join(map(str, slow_first))))
+    if engine == "vllm":
+        lines.append(f"start method: {ours.get('start_method', '?')}")
+    return lines
+
+
+def report(out: Path) -> str:
+    out = Path(out)
+    results = load_results(out)
+    runs = [r for r in results if "decode" in r or ("error" in r and "concurrency" not in r)]
+    md = ["# End-to-end throughput", "",
+          f"Command: `python -m benchmarks.bench_e2e run --out {out.name} ...` "
+          f"({', '.join(sorted({r.get('gpu', '?') for r in runs}))}, {max((r.get('date', '') for r in runs), default='')}). "
+          "Decode: output tokens/s (128-token prompts, 256 generated, ignore_eos; prefill included), the second of two "
+          "runs with fresh prompts. Prefill: prompt tokens/s.", ""]
+    for engine in ("vllm", "sglang"):
+        for model in MODELS:
+            rows = [r for r in runs if r.get("engine") == engine and r.get("model") == model]
+            if not rows:
+                continue
+            batches = sorted({int(b) for r in rows for b in (r.get("decode") or {})})
+            md += [f"## {engine}, {model} ({MODELS[model][1]})", "",
+                   "| config | start s | " + " | ".join(f"b={b}" for b in batches) + " | prefill |",
+                   "|---|---:|" + "---:|" * (len(batches) + 1)]
+            for r in sorted(rows, key=lambda r: list(CONFIGS[engine]).index(r["config"])
+                            if r.get("config") in CONFIGS[engine] else 99):
+                if "error" in r and not r.get("decode"):
+                    md.append(f"| {r.get('config')} | - | error: {r['error'][:200]} |")
+                    continue
+                cells = [f"{_decode(r, b):.0f}" if _decode(r, b) else "-" for b in batches]
+                pre = r.get("prefill", {}).get("tok_s")
+                md.append(f"| {r['config']} | {r.get('startup_s', '-')} | " + " | ".join(cells)
+                          + (f" | {pre:.0f} |" if pre else " | - |"))
+            md += [""] + [f"- {line}" for line in checks(rows, engine, model)] + [""]
+            for r in rows:
+                for b, prof in (r.get("profile") or {}).items():
+                    md += [f"### profile: {engine} {model} {r['config']}, batch {b} "
+                           f"({prof['gpu_us_per_step']:.0f} µs of GPU work per decode step, "
+                           f"{(r['decode'].get(b) or {}).get('ms_per_step', '?')} ms wall per step)", "",
+                           "| kernel | µs / step | share | calls / step |", "|---|---:|---:|---:|"]
+                    md += [f"| `{k['name']}` | {k['us_per_step']:.1f} | {100 * k['share']:.1f}% | "
+                           f"{k['calls_per_step']:.1f} |" for k in prof["kernels"]]
+                    md.append("")
+    serves = [r for r in results if "concurrency" in r]
+    if serves:
+        md += ["## vllm serve, streaming clients", "",
+               "| model | config | concurrency | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |", "|---|---|---:|---:|---:|---:|"]
+        for r in serves:
+            if r.get("error"):
+                md.append(f"| {r.get('model')} | {r['config']} | - | error: {r['error'][:200]} | | |")
+            for c, s in r["concurrency"].items():
+                md.append(f"| {r.get('model')} | {r['config']} | {c} | {s['tok_s']:.0f} | {s['ttft_ms_p50']} / "
+                          f"{s['ttft_ms_p99']} | {s['itl_ms_p50']} / {s['itl_ms_p99']} |")
+        md.append("")
+    text = "\n".join(md)
+    (out / "e2e.md").write_text(text)
+    plot(runs, out / "e2e.png")
+    print(text)
+    return text
+
+
+def plot(runs: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return False
+    panels = [(e, m) for e in ("vllm", "sglang") for m in MODELS
+              if any(r.get("engine") == e and r.get("model") == m and r.get("decode") for r in runs)]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (engine, model) in zip(axes[0], panels):
+        for r in runs:
+            if r.get("engine") == engine and r.get("model") == model and r.get("decode"):
+                bs = sorted(int(b) for b in r["decode"])
+                ax.plot(bs, [_decode(r, b) for b in bs], marker="o", label=r["config"],
+                        linewidth=2.5 if r["config"] == "ours" else 1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size (concurrent requests)")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"{engine}: {MODELS[model][1]}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="bench_e2e", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def common(p):
+        p.add_argument("--batches", type=int, nargs="+", default=list(DEFAULT_BATCHES))
+        p.add_argument("--prompt-len", type=int, default=128)
+        p.add_argument("--gen-len", type=int, default=256)
+        p.add_argument("--prefill", type=int, nargs=2, default=[64, 896], metavar=("PROMPTS", "LEN"))
+        p.add_argument("--mem-fraction", type=float, default=0.85)
+        p.add_argument("--max-model-len", type=int, default=2048)
+
+    r = sub.add_parser("run", help="models, every engine configuration in its own process, report")
+    r.add_argument("--out", required=True)
+    r.add_argument("--model-dir", default="/tmp/e2e-models")
+    r.add_argument("--engines", nargs="+", default=["vllm"], choices=list(CONFIGS))
+    r.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    r.add_argument("--configs", nargs="+", default=None, help="subset of each engine's configurations")
+    r.add_argument("--profile-batches", type=int, nargs="*", default=[1, 8, 64])
+    r.add_argument("--serve", action="store_true", help="also vllm serve + streaming clients (ours, best built-in)")
+    r.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
+    r.add_argument("--requests-per-client", type=int, default=2)
+    r.add_argument("--port", type=int, default=8321)
+    r.add_argument("--timeout", type=float, default=1200, help="seconds per engine process")
+    r.add_argument("--overwrite", action="store_true", help="rerun configurations whose JSON is already in --out")
+    common(r)
+    w = sub.add_parser("worker", help="(internal) one engine configuration")
+    w.add_argument("--engine", required=True, choices=list(CONFIGS))
+    w.add_argument("--model", required=True, choices=list(MODELS))
+    w.add_argument("--config", required=True)
+    w.add_argument("--model-path", required=True)
+    w.add_argument("--out", required=True)
+    w.add_argument("--profile-batches", type=int, nargs="*", default=[])
+    w.add_argument("--profile-delay", type=int, default=4, help="engine steps skipped before profiling (prefill)")
+    w.add_argument("--profile-steps", type=int, default=16)
+    common(w)
+    m = sub.add_parser("models", help="only build the checkpoints")
+    m.add_argument("--model-dir", default="/tmp/e2e-models")
+    m.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p = sub.add_parser("report", help="tables and plot from a results folder")
+    p.add_argument("out")
+    return ap
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
+    if a.cmd == "worker":
+        return worker(a)
+    if a.cmd == "models":
+        build_models(Path(a.model_dir), a.models)
+        return 0
+    if a.cmd == "report":
+        report(Path(a.out))
+        return 0
+    return run(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""benchmarks/bench_e2e.py on the CPU: its verdicts, tables, trace and stream parsing (the engine runs
+themselves need the GPU machine)."""
+
+import gzip
+import json
+
+import pytest
+
+from benchmarks import bench_e2e as E
+
+
+def _result(config, decode, prefill=None, model="dense", engine="vllm", **kw):
+    r = {"engine": engine, "model": model, "config": config, "startup_s": 80.0, "date": "2026-11-26 00:00:00",
+         "gpu": "NVIDIA H200",
+         "decode": {str(b): {"tok_s": v, "first_tok_s": kw.get("first", {}).get(b, v), "ms_per_step": 1.0}
+                    for b, v in decode.items()}}
+    if prefill:
+        r["prefill"] = {"tok_s": prefill, "first_tok_s": prefill}
+    r.update({k: v for k, v in kw.items() if k != "first"})
+    return r
+
+
+def test_checks_pass_and_miss():
+    rs = [_result("bf16", {1: 200, 8: 1600}, 40000), _result("marlin", {1: 300, 8: 2200}, 20000),
+          _result("humming", {1: 310, 8: 2300}, 38000),
+          _result("ours", {1: 700, 8: 2000}, 39000, first={8: 1000}, start_method="fork")]
+    lines = E.checks(rs, "vllm", "dense")
+    assert lines[0].startswith("decode batch 1: ours 700 vs best built-in 310 (2.26x), bf16 200 (3.50x): PASS")
+    assert lines[1].endswith("MISS") and "best built-in 2300" in lines[1]
+    assert lines[2] == "prefill: ours 39000 vs bf16 40000 (0.97x, floor 0.95x): PASS"
+    assert lines[3].endswith("PASS")
+    assert lines[4] == "first run of each shape within 5% of the second: MISS at batch 8"
+    assert lines[5] == "start method: fork"
+    # MoE prefill floor is bf16 itself; a drop of more than 5% to the next batch is flagged
+    rs = [_result("bf16", {1: 400, 2: 800}, 230000, model="moe"),
+          _result("ours", {1: 900, 2: 800}, 220000, model="moe")]
+    lines = E.checks(rs, "vllm", "moe")
+    assert "floor 1.0x): MISS" in lines[2] and lines[3].endswith("MISS at 1->2")
+    assert E.checks([], "vllm", "moe") == ["ours: no result (not run)"]
+
+
+def test_best_builtin_and_report(tmp_path):
+    rs = [_result("bf16", {1: 200, 8: 1600}, 40000), _result("marlin", {1: 300, 8: 2200}, 20000),
+          _result("humming", {1: 310, 8: 2300}, 38000), _result("ours", {1: 700, 8: 2000}, 39000),
+          {"engine": "vllm", "model": "moe", "config": "ours", "error": "timed out after 1200 s"}]
+    rs[3]["profile"] = {"8": {"steps": 16, "gpu_us_per_step": 4000.0,
+                              "kernels": [{"name": "w4_gemm_kernel", "us_per_step": 3000.0, "share": 0.75,
+                                           "calls_per_step": 128.0}]}}
+    for r in rs:
+        (tmp_path / f"{r['engine']}-{r['model']}-{r['config']}.json").write_text(json.dumps(r))
+    assert E.best_builtin(rs, "vllm", "dense") == "humming"
+    assert E.best_builtin(rs, "vllm", "moe") is None
+    text = E.report(tmp_path)
+    assert "| config | start s | b=1 | b=8 | prefill |" in text
+    assert "| ours | 80.0 | 700 | 2000 | 39000 |" in text
+    assert "| ours | - | error: timed out after 1200 s |" in text
+    assert "| `w4_gemm_kernel` | 3000.0 | 75.0% | 128.0 |" in text
+    assert (tmp_path / "e2e.md").read_text() == text
+
+
+def test_kernel_table_from_a_trace(tmp_path):
+    events = [{"ph": "X", "cat": "kernel", "name": "a", "dur": 30.0}, {"ph": "X", "cat": "kernel", "name": "a", "dur": 10},
+              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "dur": 20.0},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 999.0}]
+    path = tmp_path / "b8_dp0_pp0_tp0.pt.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    t = E.kernel_table(str(path), steps=2)
+    assert t["gpu_us_per_step"] == 30.0
+    assert t["kernels"][0] == {"name": "a", "us_per_step": 20.0, "share": pytest.approx(40 / 60), "calls_per_step": 1.0}
+    assert [k["name"] for k in t["kernels"]] == ["a", "Memcpy HtoD"]
+
+
+def test_latency_stats():
+    rs = [{"chunk_times": [0.1, 0.11, 0.12], "tokens": 3}, {"chunk_times": [0.3, 0.32], "tokens": 2}]
+    s = E.latency_stats(rs, wall=1.0)
+    assert s["tok_s"] == 5.0 and s["requests"] == 2
+    assert s["ttft_ms_p50"] == pytest.approx(200.0) and s["itl_ms_p50"] == pytest.approx(10.0)
+
+
+def test_prompts_are_fresh_and_inside_the_vocabulary(tmp_path):
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1, "c": 57}},
+                                                         "added_tokens": [{"id": 63, "content": "<|eos|>"}]}))
+    assert E.tokenizer_vocab(tmp_path) == 64
+    p = E.Prompts(64)
+    a, b = p(3, 50), p(3, 50)
+    assert a != b and all(10 <= t < 64 for row in a + b for t in row) and len(a[0]) == 50
