@@ -378,7 +378,7 @@ def run(a) -> int:
                                                         "error": f"timed out after {a.timeout} s"}))
                 print(f"=== {engine} {model} {config}: {time.time() - t:.0f} s", flush=True)
     if a.serve:
-        for model in a.models:
+        for model in a.serve_models or a.models:
             best = best_builtin(load_results(out), "vllm", model)
             for config in ("ours", best):
                 if config is None:
@@ -553,6 +553,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--configs", nargs="+", default=None, help="subset of each engine's configurations")
     r.add_argument("--profile-batches", type=int, nargs="*", default=[1, 8, 64])
     r.add_argument("--serve", action="store_true", help="also vllm serve + streaming clients (ours, best built-in)")
+    r.add_argument("--serve-models", nargs="+", default=None, choices=list(MODELS), help="default: --models")
     r.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
     r.add_argument("--requests-per-client", type=int, default=2)
     r.add_argument("--port", type=int, default=8321)

@@ -280,10 +280,10 @@ def masked_problem(e, n, k, max_m):
 # main loop
 # ----------------------------------------------------------------------------------------------
 
-def problems(kinds, smoke: bool = False):
+def problems(kinds, smoke: bool = False, dense_shapes=None):
     """The issue's sizes first (so a cut-off run has tuned what the benchmark reports), extras last."""
     first, extra = [], []
-    shapes, buckets, targets = bg.DENSE_SHAPES, DENSE_BUCKETS, bg.DENSE_M
+    shapes, buckets, targets = dense_shapes or bg.DENSE_SHAPES, DENSE_BUCKETS, bg.DENSE_M
     models, tokens_list, max_ms = bg.MOE_MODELS, GROUPED_TOKENS, MASKED_MAX_M
     if smoke:
         shapes, buckets, targets = bg.SMOKE["dense_shapes"], bg.SMOKE["dense_m"], bg.SMOKE["dense_m"]
@@ -370,6 +370,9 @@ def main(argv=None) -> int:
                     help="only problems of at most this many rows (dense M, routed rows, max_m); others keep their entries")
     ap.add_argument("--min-m", type=int, default=None,
                     help="only problems of at least this many rows; others keep their entries")
+    ap.add_argument("--dense-shapes", default=None, metavar="NxK,...",
+                    help="dense shapes to tune instead of the benchmark's (e.g. a served model's projections: "
+                         "6144x4096,4096x4096)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes, 3 candidates each, results to --out only (checks the script; CPU ok)")
     args = ap.parse_args(argv)
@@ -383,7 +386,9 @@ def main(argv=None) -> int:
     deadline = t_start + args.budget_s
     kinds = set(args.kinds.split(","))
     torch.backends.cuda.matmul.allow_tf32 = False
-    probs = problems(kinds, args.smoke)
+    dense_shapes = ([tuple(int(v) for v in sh.split("x")) for sh in args.dense_shapes.split(",")]
+                    if args.dense_shapes else None)
+    probs = problems(kinds, args.smoke, dense_shapes)
     if args.max_m is not None:
         probs = [p for p in probs if p[1]["m"] <= args.max_m]
     if args.min_m is not None:

@@ -90,10 +90,11 @@ def test_moe_warmup_routes_distinct_experts_per_token():
 # ------------------------------------------------------------------------------------------------
 
 def _compiled_kernels() -> int:
-    from nvfp4_plugin.gemm import gluon_w4, triton_w4
+    from nvfp4_plugin.gemm import gluon_w4, moe_glue, triton_w4
 
     fns = [triton_w4.w4_gemm_kernel, triton_w4.w4_dequant_kernel, triton_w4.fp4_act_decode_kernel,
-           gluon_w4.w4_wgmma_kernel, gluon_w4.w4_splitk_reduce_kernel]
+           gluon_w4.w4_wgmma_kernel, gluon_w4.w4_splitk_reduce_kernel, moe_glue._route_kernel,
+           moe_glue._silu_mul_kernel, moe_glue._combine_kernel]
     return sum(len(c[0]) for f in fns for c in f.device_caches.values())
 
 

@@ -21,6 +21,7 @@ from .. import numerics as nx
 from .._checks import check_choice, check_shape, check_tensor
 from . import triton_w4 as tk
 from .layout import PackedW4Weight
+from .moe_glue import moe_combine, moe_routing, silu_and_mul
 from .select import W4Config, _num_sms, config_fn, first_sizes, select_config
 
 MODES = ("w4a16", "w4a4")
@@ -513,24 +514,6 @@ def w4_masked(x: torch.Tensor, weight: PackedW4Weight, mask: torch.Tensor, *, ou
 # fused MoE built from the grouped GEMM (routing sort, gather, SiLU-and-mul, scatter, combine)
 # ----------------------------------------------------------------------------------------------
 
-def moe_routing(topk_ids: torch.Tensor, num_experts: int) -> dict[str, torch.Tensor]:
-    """Sort routed (token, slot) pairs by expert on the device, no host sync.
-
-    Returns ``expert_offsets`` int32 ``[E+1]``, ``gather_idx`` int32 (token of each sorted row) and
-    ``scatter_idx`` int32 (pair id ``token * top_k + slot`` of each sorted row).
-    """
-    check_tensor("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64), ndim=2)
-    top_k = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))          # (bincount would read max() on the host)
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
-    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
-    return {"expert_offsets": offsets, "gather_idx": (order // top_k).to(torch.int32),
-            "scatter_idx": order.to(torch.int32)}
-
-
 def w4_fused_moe(x: torch.Tensor, w13: PackedW4Weight, w2: PackedW4Weight, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, *, mode: str = "w4a16", a13_global_scale: torch.Tensor | None = None,
                  a2_global_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -539,7 +522,8 @@ def w4_fused_moe(x: torch.Tensor, w13: PackedW4Weight, w2: PackedW4Weight, topk_
     ``w13``: packed ``[E, 2I, H]`` (gate rows, then up), ``w2``: packed ``[E, H, I]``; ``topk_ids``
     ``[T, k]``; ``topk_weights`` ``[T, k]``. The up projection reads tokens through the gather index,
     the down projection writes each (token, slot) row in place (scatter), so there are no permute
-    copies; the top-k combine is an fp32 sum of the rounded expert outputs, as in the reference.
+    copies; the top-k combine is an fp32 sum of the rounded expert outputs in slot order. Routing,
+    SiLU-and-mul and the combine are one kernel each (:mod:`.moe_glue`).
     """
     check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16), ndim=2)
     t, h = x.shape
@@ -553,8 +537,10 @@ def w4_fused_moe(x: torch.Tensor, w13: PackedW4Weight, w2: PackedW4Weight, topk_
     r = moe_routing(topk_ids, num_e)
     kw13 = dict(mode=mode, input_global_scale=a13_global_scale) if mode == "w4a4" else {}
     hmid = w4_grouped(x, w13, r["expert_offsets"], gather_idx=r["gather_idx"], **kw13)
-    act = nx.silu_and_mul_fp32(hmid)
+    act = silu_and_mul(hmid)
     kw2 = dict(mode=mode, input_global_scale=a2_global_scale) if mode == "w4a4" else {}
-    y = w4_grouped(act, w2, r["expert_offsets"], scatter_idx=r["scatter_idx"], num_out_rows=t * top_k, **kw2)
-    out = (y.view(t, top_k, h).float() * topk_weights.float()[..., None]).sum(1)
-    return out.to(x.dtype)
+    # every (token, slot) row is written once (pairs routed outside [0, E) excepted, which the
+    # combine skips): no zero fill
+    y = torch.empty((t * top_k, h), dtype=x.dtype, device=x.device)
+    w4_grouped(act, w2, r["expert_offsets"], scatter_idx=r["scatter_idx"], out=y, **kw2)
+    return moe_combine(y, topk_weights, topk_ids, num_e)

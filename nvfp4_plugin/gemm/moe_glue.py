@@ -1,0 +1,225 @@
+"""The MoE steps around the two grouped GEMMs, one kernel each: routing, SiLU-and-mul, top-k combine.
+
+Done with torch ops they were about 40 small kernels per layer (the fixed fp32 exp of the SiLU
+alone is twenty elementwise passes, each with an fp32 temporary): on the H200 they took more GPU
+time per decode step than the GEMMs themselves, and at prefill sizes their fp32 temporaries moved
+gigabytes per layer. Numerics are those of :mod:`nvfp4_plugin.numerics` (``silu_and_mul_fp32``: the
+same IEEE fp32 operations in the same order) and of :func:`nvfp4_plugin.reference.nvfp4_fused_moe`.
+
+* :func:`moe_routing`: (token, slot) pairs sorted by expert, stable (the order of
+  ``torch.argsort(stable=True)``), with the expert offsets; one program for up to
+  :data:`ROUTE_KERNEL_MAX_ROWS` pairs (every decode step), torch's sort beyond.
+* :func:`silu_and_mul`: ``silu(gate) * up`` of the w13 output, rounded once.
+* :func:`moe_combine`: ``sum_k w[t, k] * y[t, k]`` in fp32 in slot order, rounded once; a pair whose
+  expert id is outside ``[0, E)`` contributes nothing (its row of ``y`` is never written).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import numerics as nx
+from .._checks import check_shape, check_tensor
+from ..triton import _runtime as rt
+from ..triton._jit_numerics import bits_f32, load_f32, store_f32
+
+#: Routed pairs up to which one program sorts them (decode and small prefill steps); a chunk of
+#: ROUTE_CHUNK pairs costs a ROUTE_CHUNK^2 comparison, so larger batches go through torch's sort.
+ROUTE_KERNEL_MAX_ROWS = 4096
+ROUTE_CHUNK = 64
+
+
+# Row and token counts change from call to call: not specialized on (see warm-up in nvfp4_plugin.layers).
+@triton.jit(do_not_specialize=["R"])
+def _route_kernel(ids_ptr, offsets_ptr, gather_ptr, scatter_ptr, cursor_ptr, R, TOP_K, E,
+                  E_BINS: tl.constexpr, CH: tl.constexpr):
+    """One program: expert histogram -> offsets, then each pair's slot = its expert's running cursor +
+    its rank among the same expert's pairs earlier in its chunk (chunks in order: a stable sort).
+    Bin E collects ids outside [0, E): they land after every expert's rows (offsets[E] excludes them)."""
+    bins = tl.arange(0, E_BINS)
+    lane = tl.arange(0, CH)
+    counts = tl.zeros([E_BINS], dtype=tl.int32)
+    for c0 in range(0, R, CH):
+        ok = c0 + lane < R
+        ids = tl.load(ids_ptr + c0 + lane, mask=ok, other=0).to(tl.int32)
+        ids = tl.where(ok & (ids >= 0) & (ids < E), ids, E)
+        counts += tl.histogram(ids, E_BINS, mask=ok)
+    starts = tl.cumsum(counts, 0) - counts
+    tl.store(offsets_ptr + bins, starts, mask=bins <= E)
+    tl.store(cursor_ptr + bins, starts)
+    tl.debug_barrier()
+    earlier = lane[None, :] < lane[:, None]
+    for c0 in range(0, R, CH):
+        ok = c0 + lane < R
+        ids = tl.load(ids_ptr + c0 + lane, mask=ok, other=0).to(tl.int32)
+        ids = tl.where(ok & (ids >= 0) & (ids < E), ids, E)
+        rank = tl.sum(((ids[:, None] == ids[None, :]) & earlier).to(tl.int32), 1)
+        pos = tl.load(cursor_ptr + ids, mask=ok, other=0) + rank
+        pair = c0 + lane
+        tl.store(gather_ptr + pos, pair // TOP_K, mask=ok)
+        tl.store(scatter_ptr + pos, pair, mask=ok)
+        tl.debug_barrier()
+        cur = tl.load(cursor_ptr + bins)
+        tl.debug_barrier()
+        tl.store(cursor_ptr + bins, cur + tl.histogram(ids, E_BINS, mask=ok))
+        tl.debug_barrier()
+
+
+def _routing_torch(flat: torch.Tensor, num_experts: int, top_k: int) -> dict[str, torch.Tensor]:
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, torch.full_like(flat, num_experts))
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))          # (bincount would read max() on the host)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
+    offsets[1:] = torch.cumsum(counts[:num_experts], 0).to(torch.int32)
+    return {"expert_offsets": offsets, "gather_idx": (order // top_k).to(torch.int32),
+            "scatter_idx": order.to(torch.int32)}
+
+
+def moe_routing(topk_ids: torch.Tensor, num_experts: int) -> dict[str, torch.Tensor]:
+    """Sort routed (token, slot) pairs by expert on the device, stable, no host sync.
+
+    Returns ``expert_offsets`` int32 ``[E+1]``, ``gather_idx`` int32 (token of each sorted pair) and
+    ``scatter_idx`` int32 (pair id ``token * top_k + slot`` of each sorted pair). Pairs whose id is
+    outside ``[0, E)`` come last, past ``expert_offsets[E]`` (the grouped GEMMs ignore those rows).
+    """
+    check_tensor("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64), ndim=2)
+    if num_experts < 1:
+        raise ValueError(f"num_experts: expected >= 1, got {num_experts}")
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    rows = flat.numel()
+    dev = flat.device
+    if rows > ROUTE_KERNEL_MAX_ROWS or rows == 0 or not (flat.is_cuda or rt.interpreting()):
+        return _routing_torch(flat.to(torch.int64), num_experts, max(top_k, 1))
+    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
+    gather = torch.empty(rows, dtype=torch.int32, device=dev)
+    scatter = torch.empty(rows, dtype=torch.int32, device=dev)
+    bins = triton.next_power_of_2(num_experts + 1)
+    cursor = torch.empty(bins, dtype=torch.int32, device=dev)
+    _route_kernel[(1,)](flat.contiguous(), offsets, gather, scatter, cursor, rows, top_k, num_experts,
+                        E_BINS=bins, CH=ROUTE_CHUNK, num_warps=4)
+    return {"expert_offsets": offsets, "gather_idx": gather, "scatter_idx": scatter}
+
+
+# ------------------------------------------------------------------------------------------------
+# SiLU-and-mul
+# ------------------------------------------------------------------------------------------------
+
+_EXP_LO = tl.constexpr(nx._f32(nx.SILU_EXP_LO))
+_EXP_HI = tl.constexpr(nx.SILU_EXP_HI)
+_LOG2E = tl.constexpr(nx.LOG2E_F32)
+_LN2_HI = tl.constexpr(nx.LN2_HI_F32)
+_LN2_LO = tl.constexpr(nx.LN2_LO_F32)
+_C0, _C1, _C2, _C3, _C4, _C5, _C6 = (tl.constexpr(c) for c in nx.EXP_POLY_F32)
+_ROUND_MAGIC = tl.constexpr(1.5 * 2.0**23)        # (v + M) - M rounds |v| < 2**22 half to even
+
+
+@triton.jit
+def _exp_fp32(y):
+    """numerics.exp_fp32, op for op (launched without FMA contraction)."""
+    yc = tl.minimum(tl.maximum(y, _EXP_LO), _EXP_HI)
+    n = (yc * _LOG2E + _ROUND_MAGIC) - _ROUND_MAGIC
+    r = (yc - n * _LN2_HI) - n * _LN2_LO
+    p = r * _C6 + _C5
+    p = p * r + _C4
+    p = p * r + _C3
+    p = p * r + _C2
+    p = p * r + _C1
+    p = p * r + _C0
+    ni = tl.where(yc == yc, n, 0.0).to(tl.int32)     # (a NaN input keeps its NaN below)
+    half = ni >> 1                                    # floor(ni / 2)
+    out = (p * bits_f32(((ni - half + 127) << 23).to(tl.uint32))) * bits_f32(((half + 127) << 23).to(tl.uint32))
+    out = tl.where(y > _EXP_HI, float("inf"), out)
+    return tl.where(y != y, y, out)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _silu_mul_kernel(x_ptr, out_ptr, R, I, stride_x, stride_o, BR: tl.constexpr, BI: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BI + tl.arange(0, BI)
+    mask = (rows < R)[:, None] & (cols < I)[None, :]
+    base = x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :]
+    g = load_f32(base, mask)
+    u = load_f32(base + I, mask)
+    s = tl.math.div_rn(g, 1.0 + _exp_fp32(-g))
+    store_f32(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], s * u, mask)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(x[:, :I]) * x[:, I:]`` of ``x [R, 2I]`` (bf16/fp16), bit-equal to
+    :func:`nvfp4_plugin.numerics.silu_and_mul_fp32`."""
+    check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16), ndim=2)
+    r, two_i = x.shape
+    if two_i % 2:
+        raise ValueError(f"x: expected an even last dim (gate and up halves), got {two_i}")
+    i = two_i // 2
+    if out is None:
+        out = torch.empty((r, i), dtype=x.dtype, device=x.device)
+    if r == 0 or i == 0:
+        return out
+    if not (x.is_cuda or rt.interpreting()):
+        return out.copy_(nx.silu_and_mul_fp32(x))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    bi = min(triton.next_power_of_2(i), 256)
+    br = max(1, 4096 // bi)
+    grid = (triton.cdiv(r, br), triton.cdiv(i, bi))
+    _silu_mul_kernel[grid](rt.as_kernel_tensor(x), rt.as_kernel_tensor(out), r, i, x.stride(0), out.stride(0),
+                           BR=br, BI=bi, num_warps=4, **rt.LAUNCH_OPTIONS)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# top-k combine
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["T"])
+def _combine_kernel(y_ptr, w_ptr, ids_ptr, out_ptr, T, H, E, stride_w, stride_ids, stride_o,
+                    TOP_K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+    toks = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    t_ok = toks < T
+    mask = t_ok[:, None] & (cols < H)[None, :]
+    acc = tl.zeros([BT, BH], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + toks * stride_ids + k, mask=t_ok, other=-1)
+        w = tl.load(w_ptr + toks * stride_w + k, mask=t_ok, other=0.0).to(tl.float32)
+        m = mask & ((e >= 0) & (e < E))[:, None]
+        y = load_f32(y_ptr + (toks.to(tl.int64) * TOP_K + k)[:, None] * H + cols[None, :], m)
+        acc = acc + tl.where(m, y * w[:, None], 0.0)
+    store_f32(out_ptr + toks.to(tl.int64)[:, None] * stride_o + cols[None, :], acc, mask)
+
+
+def moe_combine(y: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t] = sum_k topk_weights[t, k] * y[t * top_k + k]`` in fp32 (slot order), rounded once to
+    ``y.dtype``; pairs with an expert id outside ``[0, num_experts)`` are skipped (``y`` may hold
+    anything there)."""
+    check_tensor("y", y, dtypes=(torch.bfloat16, torch.float16), ndim=2)
+    t, top_k = topk_ids.shape
+    h = y.shape[1]
+    check_shape("y", y, (t * top_k, h))
+    check_shape("topk_weights", topk_weights, (t, top_k))
+    if out is None:
+        out = torch.empty((t, h), dtype=y.dtype, device=y.device)
+    if t == 0 or h == 0:
+        return out
+    if not (y.is_cuda or rt.interpreting()):
+        valid = ((topk_ids >= 0) & (topk_ids < num_experts))[..., None]
+        yk = torch.where(valid, y.view(t, top_k, h).float() * topk_weights.float()[..., None], 0.0)
+        acc = torch.zeros((t, h), dtype=torch.float32, device=y.device)
+        for k in range(top_k):
+            acc = acc + yk[:, k]
+        return out.copy_(acc)
+    y = y.contiguous()
+    bh = min(triton.next_power_of_2(h), 512)
+    bt = max(1, 2048 // bh)
+    grid = (triton.cdiv(t, bt), triton.cdiv(h, bh))
+    _combine_kernel[grid](rt.as_kernel_tensor(y), topk_weights, topk_ids, rt.as_kernel_tensor(out), t, h, num_experts,
+                          topk_weights.stride(0), topk_ids.stride(0), out.stride(0), TOP_K=top_k, BT=bt, BH=bh,
+                          num_warps=4, **rt.LAUNCH_OPTIONS)
+    return out

@@ -1,0 +1,86 @@
+"""The MoE glue kernels (routing, SiLU-and-mul, top-k combine): the same bytes as the torch
+definitions they replace, on the CPU interpreter and on the GPU."""
+
+import pytest
+import torch
+
+from nvfp4_plugin import numerics as nx
+from nvfp4_plugin.gemm import moe_glue as G
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _ids(t, top_k, e, seed, invalid=False):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(t)]) if t else torch.zeros(0, top_k)
+    ids = ids.to(torch.int64)
+    if invalid and t:
+        ids[0, 0], ids[-1, -1] = -1, e                       # outside [0, E): sorted last, skipped later
+    return ids
+
+
+@pytest.mark.parametrize("t,top_k,e,dtype,invalid", [
+    (1, 8, 128, torch.int32, False), (3, 2, 8, torch.int64, False), (37, 4, 6, torch.int32, True),
+    (150, 8, 16, torch.int64, True), (16, 1, 1, torch.int32, False)])
+def test_routing_kernel_equals_stable_sort(t, top_k, e, dtype, invalid):
+    ids = _ids(t, top_k, e, seed=t, invalid=invalid).to(dtype).to(DEV)
+    got = G.moe_routing(ids, e)
+    want = G._routing_torch(ids.reshape(-1).to(torch.int64), e, top_k)
+    for name in ("expert_offsets", "gather_idx", "scatter_idx"):
+        assert torch.equal(got[name].cpu(), want[name].cpu()), name
+    flat = ids.reshape(-1).cpu().long()
+    counts = torch.stack([(flat == x).sum() for x in range(e)])
+    assert torch.equal(want["expert_offsets"].cpu()[1:].long(), counts.cumsum(0))
+
+
+def test_routing_large_batches_use_the_sort():
+    ids = _ids(G.ROUTE_KERNEL_MAX_ROWS // 4 + 1, 4, 32, seed=0).to(DEV)
+    r = G.moe_routing(ids, 32)
+    assert int(r["expert_offsets"][-1]) == ids.numel()
+    assert torch.equal(ids.reshape(-1)[r["scatter_idx"].long()].sort().values.cpu(), ids.reshape(-1).sort().values.cpu())
+
+
+def _special_values(dtype):
+    vals = [0.0, -0.0, 1e-30, -1e-30, 1.0, -1.0, 0.5, 20.0, -20.0, 87.0, -87.0, 88.4, -88.4, 89.0, -89.0,
+            100.0, -100.0, 1e4, -1e4, float("inf"), float("-inf"), float("nan")]
+    tiny = torch.finfo(dtype).tiny
+    vals += [tiny, -tiny, tiny / 4, -tiny / 4, torch.finfo(dtype).max, -torch.finfo(dtype).max]
+    return torch.tensor(vals, dtype=torch.float32).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_and_mul_is_bit_exact(dtype):
+    g = torch.Generator().manual_seed(1)
+    r, i = 37, 72
+    x = (torch.randn(r, 2 * i, generator=g) * torch.logspace(-3, 2, 2 * i)).to(dtype)
+    sv = _special_values(dtype)
+    x[0, : len(sv)] = sv                                    # gates
+    x[1, i: i + len(sv)] = sv                               # ups
+    x[2, : len(sv)] = sv
+    x[2, i: i + len(sv)] = sv.flip(0)
+    got = G.silu_and_mul(x.to(DEV)).cpu()
+    want = nx.silu_and_mul_fp32(x)
+    same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+    assert same.all(), (got[~same][:8], want[~same][:8])
+
+
+def test_silu_and_mul_checks_its_input():
+    with pytest.raises(ValueError, match="even last dim"):
+        G.silu_and_mul(torch.zeros(2, 3, dtype=torch.bfloat16, device=DEV))
+    assert G.silu_and_mul(torch.zeros(0, 8, dtype=torch.bfloat16, device=DEV)).shape == (0, 4)
+
+
+@pytest.mark.parametrize("t,top_k,h", [(1, 8, 96), (13, 4, 200), (64, 2, 2048)])
+def test_combine_sums_in_slot_order(t, top_k, h):
+    g = torch.Generator().manual_seed(t)
+    e = 16
+    ids = _ids(t, top_k, e, seed=t + 1, invalid=True).to(DEV)
+    w = torch.rand(t, top_k, generator=g).to(DEV)
+    y = torch.randn(t * top_k, h, generator=g).to(torch.bfloat16).to(DEV)
+    y[0] = float("nan")                                     # the pair routed to expert -1: never read
+    got = G.moe_combine(y, w, ids, e).cpu()
+    acc = torch.zeros(t, h)
+    for k in range(top_k):
+        ok = ((ids[:, k] >= 0) & (ids[:, k] < e)).cpu()[:, None]
+        acc = acc + torch.where(ok, y.view(t, top_k, h)[:, k].cpu().float() * w[:, k, None].cpu(), 0.0)
+    assert torch.equal(got, acc.to(torch.bfloat16))
