@@ -18,8 +18,10 @@ started as a user starts it (``vllm.LLM`` with vLLM's default start method, ``sg
 
 Each measures decode throughput at every batch size of ``--batches`` (``--prompt-len`` prompt tokens,
 ``--gen-len`` generated tokens with ``ignore_eos``; output tokens per second of wall time, prefill
-included), run twice with fresh random prompts: the first run is the warm-up and the second the
-number, both recorded. Prefill: ``--prefill`` prompts (64 x 896 by default) generating one token,
+included), with fresh random prompts each run: a warm-up run (recorded: the first request of a shape
+must be as fast as later ones), then ``--repeats`` runs whose median is the number (all recorded:
+a small model's decode step is ~1 ms of GPU work, so the engine's host overhead makes single runs
+vary by up to ±30%). Prefill: ``--prefill`` prompts (64 x 896 by default) generating one token,
 prompt tokens per second. With ``--profile-batches``, vLLM's torch profiler records decode steps
 of the NVFP4 configurations at those batch sizes: kernels by time per step and share. With
 ``--serve``, ``vllm serve`` of ours and of the best built-in answers streaming completions from
@@ -215,17 +217,21 @@ def _sglang_worker(a, result: dict) -> None:
 def run_sweep(result: dict, timed, a) -> None:
     """Decode at each batch size (warm-up run, then the measured run) and prefill, into ``result``."""
     result["decode"] = {}
+    result["repeats"] = a.repeats
     for b in a.batches:
         first = timed(b, a.prompt_len, a.gen_len)
-        second = timed(b, a.prompt_len, a.gen_len)
-        result["decode"][str(b)] = {"first_tok_s": round(first[0] / first[1], 1),
-                                    "tok_s": round(second[0] / second[1], 1), "tokens": second[0],
-                                    "ms_per_step": round(1e3 * second[1] / a.gen_len, 3)}
+        runs = [timed(b, a.prompt_len, a.gen_len) for _ in range(a.repeats)]
+        rates = [n / dt for n, dt in runs]
+        med = statistics.median(rates)
+        result["decode"][str(b)] = {"first_tok_s": round(first[0] / first[1], 1), "tok_s": round(med, 1),
+                                    "runs_tok_s": [round(r, 1) for r in rates], "tokens": runs[0][0],
+                                    "ms_per_step": round(1e3 * b / med, 3)}
         print(f"[{a.engine} {a.model} {a.config}] batch {b}: {result['decode'][str(b)]}", flush=True)
     n, length = a.prefill
-    runs = [timed(n, length, 1) for _ in range(2)]
-    result["prefill"] = {"first_tok_s": round(n * length / runs[0][1], 1), "tok_s": round(n * length / runs[1][1], 1),
-                         "prompts": n, "prompt_len": length}
+    runs = [timed(n, length, 1) for _ in range(1 + a.repeats)]
+    rates = [n * length / dt for _, dt in runs]
+    result["prefill"] = {"first_tok_s": round(rates[0], 1), "tok_s": round(statistics.median(rates[1:]), 1),
+                         "runs_tok_s": [round(r, 1) for r in rates[1:]], "prompts": n, "prompt_len": length}
     print(f"[{a.engine} {a.model} {a.config}] prefill: {result['prefill']}", flush=True)
 
 
@@ -364,7 +370,8 @@ def run(a) -> int:
                        "--config", config, "--model-path", str(paths[model][kind]), "--out", str(res_path),
                        "--batches", *map(str, a.batches), "--prompt-len", str(a.prompt_len),
                        "--gen-len", str(a.gen_len), "--prefill", *map(str, a.prefill),
-                       "--mem-fraction", str(a.mem_fraction), "--max-model-len", str(a.max_model_len)]
+                       "--mem-fraction", str(a.mem_fraction), "--max-model-len", str(a.max_model_len),
+                       "--repeats", str(a.repeats)]
                 if a.profile_batches and engine == "vllm" and config != "bf16":
                     cmd += ["--profile-batches", *map(str, a.profile_batches)]
                 print(f"=== {engine} {model} {config}", flush=True)
@@ -454,8 +461,8 @@ def report(out: Path) -> str:
     md = ["# End-to-end throughput", "",
           f"Command: `python -m benchmarks.bench_e2e run --out {out.name} ...` "
           f"({', '.join(sorted({r.get('gpu', '?') for r in runs}))}, {max((r.get('date', '') for r in runs), default='')}). "
-          "Decode: output tokens/s (128-token prompts, 256 generated, ignore_eos; prefill included), the second of two "
-          "runs with fresh prompts. Prefill: prompt tokens/s.", ""]
+          "Decode: output tokens/s (128-token prompts, 256 generated, ignore_eos; prefill included), the median of "
+          "the measured runs after a warm-up run, fresh prompts each run. Prefill: prompt tokens/s.", ""]
     for engine in ("vllm", "sglang"):
         for model in MODELS:
             rows = [r for r in runs if r.get("engine") == engine and r.get("model") == model]
@@ -463,16 +470,16 @@ def report(out: Path) -> str:
                 continue
             batches = sorted({int(b) for r in rows for b in (r.get("decode") or {})})
             md += [f"## {engine}, {model} ({MODELS[model][1]})", "",
-                   "| config | start s | " + " | ".join(f"b={b}" for b in batches) + " | prefill |",
-                   "|---|---:|" + "---:|" * (len(batches) + 1)]
+                   "| config | run | start s | " + " | ".join(f"b={b}" for b in batches) + " | prefill |",
+                   "|---|---|---:|" + "---:|" * (len(batches) + 1)]
             for r in sorted(rows, key=lambda r: list(CONFIGS[engine]).index(r["config"])
                             if r.get("config") in CONFIGS[engine] else 99):
                 if "error" in r and not r.get("decode"):
-                    md.append(f"| {r.get('config')} | - | error: {r['error'][:200]} |")
+                    md.append(f"| {r.get('config')} | {r.get('run', '')} | - | error: {r['error'][:200]} |")
                     continue
                 cells = [f"{_decode(r, b):.0f}" if _decode(r, b) else "-" for b in batches]
                 pre = r.get("prefill", {}).get("tok_s")
-                md.append(f"| {r['config']} | {r.get('startup_s', '-')} | " + " | ".join(cells)
+                md.append(f"| {r['config']} | {r.get('run', '')} | {r.get('startup_s', '-')} | " + " | ".join(cells)
                           + (f" | {pre:.0f} |" if pre else " | - |"))
             md += [""] + [f"- {line}" for line in checks(rows, engine, model)] + [""]
             for r in rows:
@@ -544,6 +551,8 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--prefill", type=int, nargs=2, default=[64, 896], metavar=("PROMPTS", "LEN"))
         p.add_argument("--mem-fraction", type=float, default=0.85)
         p.add_argument("--max-model-len", type=int, default=2048)
+        p.add_argument("--repeats", type=int, default=3,
+                       help="measured runs per shape after the warm-up run (the median is reported)")
 
     r = sub.add_parser("run", help="models, every engine configuration in its own process, report")
     r.add_argument("--out", required=True)

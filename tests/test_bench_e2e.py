@@ -51,9 +51,9 @@ def test_best_builtin_and_report(tmp_path):
     assert E.best_builtin(rs, "vllm", "dense") == "humming"
     assert E.best_builtin(rs, "vllm", "moe") is None
     text = E.report(tmp_path)
-    assert "| config | start s | b=1 | b=8 | prefill |" in text
-    assert "| ours | 80.0 | 700 | 2000 | 39000 |" in text
-    assert "| ours | - | error: timed out after 1200 s |" in text
+    assert "| config | run | start s | b=1 | b=8 | prefill |" in text
+    assert "| ours |  | 80.0 | 700 | 2000 | 39000 |" in text
+    assert "| ours |  | - | error: timed out after 1200 s |" in text
     assert "| `w4_gemm_kernel` | 3000.0 | 75.0% | 128.0 |" in text
     assert (tmp_path / "e2e.md").read_text() == text
 
@@ -85,3 +85,17 @@ def test_prompts_are_fresh_and_inside_the_vocabulary(tmp_path):
     p = E.Prompts(64)
     a, b = p(3, 50), p(3, 50)
     assert a != b and all(10 <= t < 64 for row in a + b for t in row) and len(a[0]) == 50
+
+
+def test_run_sweep_reports_the_median_after_a_warmup():
+    import argparse
+    times = iter([2.0, 1.0, 4.0, 2.0,      # batch 1: warm-up, then three runs (256 tokens each)
+                  9.0, 1.0, 1.0, 1.0, 1.0])  # prefill: warm-up + three
+    a = argparse.Namespace(batches=[1], prompt_len=4, gen_len=256, prefill=[2, 8], repeats=3, engine="vllm",
+                           model="dense", config="ours")
+    res = {}
+    E.run_sweep(res, lambda n, length, gen: (n * gen, next(times)), a)
+    d = res["decode"]["1"]
+    assert d["first_tok_s"] == 128.0 and d["runs_tok_s"] == [256.0, 64.0, 128.0] and d["tok_s"] == 128.0
+    assert d["ms_per_step"] == pytest.approx(1e3 / 128.0, abs=1e-3)
+    assert res["prefill"]["first_tok_s"] == pytest.approx(16 / 9.0, abs=0.1) and res["prefill"]["tok_s"] == 16.0
