@@ -294,7 +294,7 @@ def latency_stats(results: list[dict], wall: float) -> dict:
 
 def serve_bench(a, engine: str, config: str, model_path: Path, env: dict) -> dict:
     sys.path.insert(0, str(ROOT / "integration"))
-    from serve_check import healthy, server_command
+    from serve_check import healthy, server_command, stop_server
 
     _, quant, extra = CONFIGS[engine][config]
     args = [x for k, v in extra.items() for x in (f"--{k.replace('_', '-')}", str(v))]
@@ -336,13 +336,7 @@ def serve_bench(a, engine: str, config: str, model_path: Path, env: dict) -> dic
     except Exception as exc:  # noqa: BLE001
         res["error"] = f"{type(exc).__name__}: {exc}"
     finally:
-        import signal
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_server(proc)
         log.close()
     return res
 

@@ -70,6 +70,17 @@ def prompt_logprobs(engine: str, port: int) -> list[float]:
     return [t[0] for t in r["meta_info"]["input_token_logprobs"][1:]]
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGINT to the server's process group (a clean engine shutdown), SIGKILL after 60 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def run(args) -> dict:
     env = dict(os.environ)
     log_path = args.log or f"/tmp/{args.engine}_server_{args.port}.log"
@@ -102,13 +113,7 @@ def run(args) -> dict:
                 result["decode_text"] = r["choices"][0]["text"]
                 result["batch1_tok_per_s"] = round(result["decode_tokens"] / dt, 1)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+            stop_server(proc)
     result["exit_code"] = proc.returncode
     text = open(log_path, errors="replace").read()
     result["log_tail"] = text[-4000:]
