@@ -93,6 +93,15 @@ def plugin_env() -> dict:
     env = dict(os.environ)
     env.pop("VLLM_WORKER_MULTIPROC_METHOD", None)        # vLLM's default start method, as users get it
     env["PYTHONUNBUFFERED"] = "1"
+    # SGLang JIT-compiles its bf16 kernels: nvcc (CUDA_HOME), ninja and a cache folder
+    # (../shared/tools/sglang-bundle/README.md)
+    env.setdefault("CUDA_HOME", "/usr/local/cuda")
+    env.setdefault("TVM_FFI_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), "tvm-ffi-cache"))
+    try:
+        import ninja
+        env["PATH"] = os.pathsep.join([ninja.BIN_DIR, env.get("PATH", "")])
+    except ImportError:
+        pass
     from importlib.metadata import entry_points
 
     if not any(ep.name == "nvfp4" for ep in entry_points(group="vllm.general_plugins")):
