@@ -42,19 +42,24 @@ class _Layer:
         self.key = next(_KEYS)
         _LAYERS[self.key] = self
 
-    def _warm(self, key: tuple, sizes: list[int], run) -> None:
-        """Run ``run(m)`` for each token count of ``sizes``, once per process and ``key`` (the layer
-        shape): whatever those forwards compile is then ready before the engine serves."""
-        if not sizes or key in _WARMED:
+    def _warm(self, key: tuple, sizes_fn, make_run) -> None:
+        """Once per process and ``key`` (the layer shape): ``run = make_run(max(sizes))``, then ``run(m)``
+        for each token count of ``sizes_fn()``; whatever those forwards compile is then ready before the
+        engine serves. Layers of an already warmed shape cost nothing here."""
+        if key in _WARMED:
+            return
+        _WARMED.add(key)
+        sizes = sizes_fn()
+        if not sizes:
             return
         t0 = time.perf_counter()
         with torch.no_grad():
+            run = make_run(max(sizes))
             for m in sizes:
                 run(m)
         if self.spec.device.type == "cuda":
             torch.cuda.synchronize(self.spec.device)
             torch.cuda.empty_cache()     # the engines size their caches from the memory left after loading
-        _WARMED.add(key)
         logger.info("nvfp4_plugin: compiled %s kernels for %s at start-up: %d token counts %s in %.1f s",
                     self.backend.name, key[0], len(sizes), sizes, time.perf_counter() - t0)
 
@@ -117,13 +122,14 @@ class Nvfp4Linear(_Layer):
     def warmup(self, max_tokens: int, bias: torch.Tensor | None = None) -> None:
         """Compile (or load from Triton's cache) every kernel a forward of 1..``max_tokens`` tokens with
         this ``bias`` can launch, so that no request waits for a compiler. Call after loading."""
-        sizes = self.backend.warmup_sizes(self.tensors, self.meta, max_tokens)
-        if not sizes:
-            return
         s = self.spec
-        x = torch.zeros(max(sizes), s.k, dtype=s.act_dtype, device=s.device)
+
+        def make_run(t: int):
+            x = torch.zeros(t, s.k, dtype=s.act_dtype, device=s.device)
+            return lambda m: self(x[:m], bias)
+
         key = (f"linear N={s.n} K={s.k}", s, None if bias is None else bias.dtype, max_tokens)
-        self._warm(key, sizes, lambda m: self(x[:m], bias))
+        self._warm(key, lambda: self.backend.warmup_sizes(self.tensors, self.meta, max_tokens), make_run)
 
 
 class Nvfp4FusedMoE(_Layer):
@@ -152,15 +158,16 @@ class Nvfp4FusedMoE(_Layer):
         s = self.spec
         if not 1 <= top_k <= s.num_experts:
             raise ValueError(f"top_k: expected 1..{s.num_experts} (the number of experts), got {top_k}")
-        sizes = self.backend.warmup_sizes(self.tensors, self.meta, max_tokens, top_k=top_k)
-        if not sizes:
-            return
-        t = max(sizes)
-        x = torch.zeros(t, s.hidden, dtype=s.act_dtype, device=s.device)
-        ids = (torch.arange(t * top_k, device=s.device) % s.num_experts).to(torch.int32).view(t, top_k)
-        w = torch.full((t, top_k), 1.0 / top_k, dtype=torch.float32, device=s.device)
+
+        def make_run(t: int):
+            x = torch.zeros(t, s.hidden, dtype=s.act_dtype, device=s.device)
+            ids = (torch.arange(t * top_k, device=s.device) % s.num_experts).to(torch.int32).view(t, top_k)
+            w = torch.full((t, top_k), 1.0 / top_k, dtype=torch.float32, device=s.device)
+            return lambda m: self(x[:m], w[:m], ids[:m])
+
         key = (f"fused MoE E={s.num_experts} H={s.hidden} I={s.intermediate} top_k={top_k}", s, max_tokens)
-        self._warm(key, sizes, lambda m: self(x[:m], w[:m], ids[:m]))
+        self._warm(key, lambda: self.backend.warmup_sizes(self.tensors, self.meta, max_tokens, top_k=top_k),
+                   make_run)
 
 
 __all__ = ["Nvfp4Linear", "Nvfp4FusedMoE", "LINEAR_BACKENDS", "MOE_BACKENDS", "Nvfp4Weight"]
