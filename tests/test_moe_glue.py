@@ -84,3 +84,14 @@ def test_combine_sums_in_slot_order(t, top_k, h):
         ok = ((ids[:, k] >= 0) & (ids[:, k] < e)).cpu()[:, None]
         acc = acc + torch.where(ok, y.view(t, top_k, h)[:, k].cpu().float() * w[:, k, None].cpu(), 0.0)
     assert torch.equal(got, acc.to(torch.bfloat16))
+
+
+def test_combine_reads_strided_routing_tensors():
+    g = torch.Generator().manual_seed(7)
+    t, top_k, h, e = 5, 3, 64, 8
+    ids = _ids(t, top_k, e, seed=9).to(DEV)
+    w = torch.rand(t, top_k, generator=g).to(DEV)
+    y = torch.randn(t * top_k, h, generator=g).to(torch.bfloat16).to(DEV)
+    ids_t, w_t = ids.t().contiguous().t(), w.t().contiguous().t()       # column-major views
+    assert ids_t.stride(1) != 1 and w_t.stride(1) != 1
+    assert torch.equal(G.moe_combine(y, w_t, ids_t, e), G.moe_combine(y, w, ids, e))

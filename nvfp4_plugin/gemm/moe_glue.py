@@ -100,7 +100,7 @@ def moe_routing(topk_ids: torch.Tensor, num_experts: int) -> dict[str, torch.Ten
     scatter = torch.empty(rows, dtype=torch.int32, device=dev)
     bins = triton.next_power_of_2(num_experts + 1)
     cursor = torch.empty(bins, dtype=torch.int32, device=dev)
-    _route_kernel[(1,)](flat.contiguous(), offsets, gather, scatter, cursor, rows, top_k, num_experts,
+    _route_kernel[(1,)](flat, offsets, gather, scatter, cursor, rows, top_k, num_experts,
                         E_BINS=bins, CH=ROUTE_CHUNK, num_warps=4)
     return {"expert_offsets": offsets, "gather_idx": gather, "scatter_idx": scatter}
 
@@ -178,7 +178,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["T"])
-def _combine_kernel(y_ptr, w_ptr, ids_ptr, out_ptr, T, H, E, stride_w, stride_ids, stride_o,
+def _combine_kernel(y_ptr, w_ptr, ids_ptr, out_ptr, T, H, E, stride_wt, stride_wk, stride_it, stride_ik, stride_o,
                     TOP_K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
     toks = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -186,8 +186,8 @@ def _combine_kernel(y_ptr, w_ptr, ids_ptr, out_ptr, T, H, E, stride_w, stride_id
     mask = t_ok[:, None] & (cols < H)[None, :]
     acc = tl.zeros([BT, BH], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        e = tl.load(ids_ptr + toks * stride_ids + k, mask=t_ok, other=-1)
-        w = tl.load(w_ptr + toks * stride_w + k, mask=t_ok, other=0.0).to(tl.float32)
+        e = tl.load(ids_ptr + toks * stride_it + k * stride_ik, mask=t_ok, other=-1)
+        w = tl.load(w_ptr + toks * stride_wt + k * stride_wk, mask=t_ok, other=0.0).to(tl.float32)
         m = mask & ((e >= 0) & (e < E))[:, None]
         y = load_f32(y_ptr + (toks.to(tl.int64) * TOP_K + k)[:, None] * H + cols[None, :], m)
         acc = acc + tl.where(m, y * w[:, None], 0.0)
@@ -220,6 +220,6 @@ def moe_combine(y: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     bt = max(1, 2048 // bh)
     grid = (triton.cdiv(t, bt), triton.cdiv(h, bh))
     _combine_kernel[grid](rt.as_kernel_tensor(y), topk_weights, topk_ids, rt.as_kernel_tensor(out), t, h, num_experts,
-                          topk_weights.stride(0), topk_ids.stride(0), out.stride(0), TOP_K=top_k, BT=bt, BH=bh,
+                          *topk_weights.stride(), *topk_ids.stride(), out.stride(0), TOP_K=top_k, BT=bt, BH=bh,
                           num_warps=4, **rt.LAUNCH_OPTIONS)
     return out
