@@ -301,7 +301,7 @@ def latency_stats(results: list[dict], wall: float) -> dict:
             "itl_ms_p99": pct(itl, 99)}
 
 
-def serve_bench(a, engine: str, config: str, model_path: Path, env: dict) -> dict:
+def serve_bench(a, engine: str, model: str, config: str, model_path: Path, env: dict) -> dict:
     sys.path.insert(0, str(ROOT / "integration"))
     from serve_check import healthy, server_command, stop_server
 
@@ -310,8 +310,8 @@ def serve_bench(a, engine: str, config: str, model_path: Path, env: dict) -> dic
     cmd = server_command(engine, str(model_path), a.port, quant, args, a.mem_fraction)
     if engine == "vllm":
         cmd[cmd.index("--max-model-len") + 1] = str(a.max_model_len)
-    res = {"engine": engine, "config": config, "cmd": cmd, "concurrency": {}}
-    log = open(Path(a.out) / f"serve-{engine}-{config}.log", "w")
+    res = {"engine": engine, "model": model, "config": config, "cmd": cmd, "concurrency": {}}
+    log = open(Path(a.out) / f"serve-{engine}-{model}-{config}.log", "w")
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -394,8 +394,7 @@ def run(a) -> int:
                 if config is None:
                     continue
                 res_path = out / f"serve-vllm-{model}-{config}.json"
-                res = serve_bench(a, "vllm", config, paths[model][CONFIGS["vllm"][config][0]], env)
-                res["model"] = model
+                res = serve_bench(a, "vllm", model, config, paths[model][CONFIGS["vllm"][config][0]], env)
                 res_path.write_text(json.dumps(res, indent=1))
     report(out)
     return 0
