@@ -23,7 +23,9 @@ must be as fast as later ones), then ``--repeats`` runs whose median is the numb
 a small model's decode step is ~1 ms of GPU work, so the engine's host overhead makes single runs
 vary by up to ±30%). Prefill: ``--prefill`` prompts (64 x 896 by default) generating one token,
 prompt tokens per second. With ``--profile-batches``, vLLM's torch profiler records decode steps
-of the NVFP4 configurations at those batch sizes: kernels by time per step and share. With
+of every configuration at those batch sizes, and full prefill steps (``max_num_batched_tokens``
+prompt tokens each): kernels by time per step and share, plus the host side (CUDA-graph and eager
+kernel launches per step, the share of the step the GPU was busy). With
 ``--serve``, ``vllm serve`` of ours and of the best built-in answers streaming completions from
 ``--concurrency`` clients: tokens/s, time to first token and inter-token latency (p50 / p99).
 
@@ -132,19 +134,40 @@ class Prompts:
         return [[self.rng.randrange(10, self.vocab) for _ in range(length)] for _ in range(n)]
 
 
+#: Host API calls that start GPU work: a step inside the engine's CUDA graphs launches graphs, not kernels.
+GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
+KERNEL_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
 def kernel_table(trace_path: str, steps: int, top: int = 15) -> dict:
-    """Kernels (and copies) of a torch-profiler chrome trace: total µs per step, share, calls per step."""
+    """Kernels (and copies) of a torch-profiler chrome trace: total µs per step, share, calls per step;
+    plus the host side: CUDA-graph and eager kernel launches per step, and how busy the GPU was between
+    the first and the last kernel (below 1.0 the step waits on the host)."""
     opener = gzip.open if trace_path.endswith(".gz") else open
     with opener(trace_path, "rt") as f:
         events = json.load(f)
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
     by_name: dict[str, list[float]] = {}
+    graphs = eager = 0
+    first, last = None, None
     for e in events:
-        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-            by_name.setdefault(e["name"], []).append(float(e.get("dur", 0.0)))
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            dur = float(e.get("dur", 0.0))
+            by_name.setdefault(e["name"], []).append(dur)
+            ts = float(e.get("ts", 0.0))
+            first = ts if first is None else min(first, ts)
+            last = ts + dur if last is None else max(last, ts + dur)
+        elif e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            graphs += e.get("name") in GRAPH_LAUNCHES
+            eager += e.get("name") in KERNEL_LAUNCHES
     total = sum(sum(v) for v in by_name.values())
     rows = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)
+    span = (last - first) if first is not None else 0.0
     return {"steps": steps, "gpu_us_per_step": total / steps,
+            "graph_launches_per_step": graphs / steps, "kernel_launches_per_step": eager / steps,
+            "gpu_busy": round(total / span, 3) if span else None,
             "kernels": [{"name": k[:120], "us_per_step": t / steps, "share": t / total if total else 0.0,
                          "calls_per_step": n / steps} for t, n, k in rows[:top]]}
 
@@ -181,19 +204,32 @@ def _vllm_worker(a, result: dict) -> None:
         return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t
 
     run_sweep(result, timed, a)
-    if a.profile_batches:
-        result["profile"] = {}
-        for b in a.profile_batches:
-            timed(b, a.prompt_len, a.profile_delay + a.profile_steps + 8)     # warm-up of this shape
-            before = set(glob.glob(os.path.join(prof_dir, "*.json*")))
-            llm.start_profile()
-            timed(b, a.prompt_len, a.profile_delay + a.profile_steps + 8)
-            llm.stop_profile()
-            # (vLLM names every trace after the first start's prefix: take the files this run added)
-            new = sorted(set(glob.glob(os.path.join(prof_dir, "*.json*"))) - before, key=os.path.getmtime)
-            if new:
-                result["profile"][str(b)] = kernel_table(new[-1], a.profile_steps)
-                result["profile"][str(b)]["trace"] = os.path.basename(new[-1])
+    if not a.profile_batches:
+        return
+
+    def profiled(key: str, n: int, length: int, gen: int) -> None:
+        before = set(glob.glob(os.path.join(prof_dir, "*.json*")))
+        llm.start_profile()
+        timed(n, length, gen)
+        llm.stop_profile()
+        # (vLLM names every trace after the first start's prefix: take the files this run added)
+        new = sorted(set(glob.glob(os.path.join(prof_dir, "*.json*"))) - before, key=os.path.getmtime)
+        if new:
+            result["profile"][key] = kernel_table(new[-1], a.profile_steps)
+            result["profile"][key]["trace"] = os.path.basename(new[-1])
+
+    result["profile"] = {}
+    for b in a.profile_batches:
+        timed(b, a.prompt_len, a.profile_delay + a.profile_steps + 8)     # warm-up of this shape
+        profiled(str(b), b, a.prompt_len, a.profile_delay + a.profile_steps + 8)
+    # prefill: enough prompts of the prefill length that every profiled engine step is a full chunk
+    # of max_num_batched_tokens prompt tokens (the steps vLLM skips first included)
+    chunk = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    length = a.prefill[1]
+    n = -(-(a.profile_delay + a.profile_steps + 2) * chunk // length)
+    profiled("prefill", n, length, 1)
+    if "prefill" in result["profile"]:
+        result["profile"]["prefill"]["tokens_per_step"] = chunk
 
 
 def _sglang_worker(a, result: dict) -> None:
@@ -375,7 +411,7 @@ def run(a) -> int:
                        "--gen-len", str(a.gen_len), "--prefill", *map(str, a.prefill),
                        "--mem-fraction", str(a.mem_fraction), "--max-model-len", str(a.max_model_len),
                        "--repeats", str(a.repeats)]
-                if a.profile_batches and engine == "vllm" and config != "bf16":
+                if a.profile_batches and engine == "vllm":
                     cmd += ["--profile-batches", *map(str, a.profile_batches)]
                 print(f"=== {engine} {model} {config}", flush=True)
                 t = time.time()
@@ -456,6 +492,25 @@ def checks(results: list[dict], engine: str, model: str) -> list[str]:
     return lines
 
 
+def profile_summary(rows: list[dict]) -> list[str]:
+    """One line per profiled (config, batch): GPU work and wall time per decode step, how busy the GPU
+    was, and the launches per step (a decode step inside the engine's full CUDA graph is one graph
+    launch plus the sampler's few eager kernels)."""
+    lines = []
+    for r in rows:
+        for b, prof in (r.get("profile") or {}).items():
+            busy = prof.get("gpu_busy")
+            lines.append(f"| {r['config']} | {b} | {prof['gpu_us_per_step']:.0f} | "
+                         f"{(r.get('decode', {}).get(b) or {}).get('ms_per_step', '-')} | "
+                         f"{'-' if busy is None else f'{100 * busy:.0f}%'} | "
+                         f"{prof.get('graph_launches_per_step', float('nan')):.1f} | "
+                         f"{prof.get('kernel_launches_per_step', float('nan')):.1f} |")
+    if not lines:
+        return []
+    return (["| config | batch | GPU µs / step | wall ms / step | GPU busy | graph launches / step | "
+             "kernel launches / step |", "|---|---:|---:|---:|---:|---:|---:|"] + lines + [""])
+
+
 def report(out: Path) -> str:
     out = Path(out)
     results = load_results(out)
@@ -484,11 +539,14 @@ def report(out: Path) -> str:
                 md.append(f"| {r['config']} | {r.get('run', '')} | {r.get('startup_s', '-')} | " + " | ".join(cells)
                           + (f" | {pre:.0f} |" if pre else " | - |"))
             md += [""] + [f"- {line}" for line in checks(rows, engine, model)] + [""]
+            md += profile_summary(rows)
             for r in rows:
                 for b, prof in (r.get("profile") or {}).items():
-                    md += [f"### profile: {engine} {model} {r['config']}, batch {b} "
-                           f"({prof['gpu_us_per_step']:.0f} µs of GPU work per decode step, "
-                           f"{(r['decode'].get(b) or {}).get('ms_per_step', '?')} ms wall per step)", "",
+                    what = (f"prefill, {prof.get('tokens_per_step')} prompt tokens per step "
+                            f"({prof['gpu_us_per_step']:.0f} µs of GPU work per step)" if b == "prefill" else
+                            f"batch {b} ({prof['gpu_us_per_step']:.0f} µs of GPU work per decode step, "
+                            f"{(r['decode'].get(b) or {}).get('ms_per_step', '?')} ms wall per step)")
+                    md += [f"### profile: {engine} {model} {r['config']}, {what}", "",
                            "| kernel | µs / step | share | calls / step |", "|---|---:|---:|---:|"]
                     md += [f"| `{k['name']}` | {k['us_per_step']:.1f} | {100 * k['share']:.1f}% | "
                            f"{k['calls_per_step']:.1f} |" for k in prof["kernels"]]

@@ -96,7 +96,7 @@ def dense_candidates(m: int, n: int, k: int) -> list[W4Config]:
                         for sk in (1, 2):
                             cands.append(W4Config(bn=bn, bm=bm, bk=bk, split_k=sk, num_warps=warps,
                                                   num_stages=stages))
-        return cands
+        return cands + gluon_candidates(m, n, k)
     if m <= 256:
         for bm in (64, 128):
             for bn, warps in ((128, 4), (128, 8)):
@@ -118,16 +118,16 @@ def dense_candidates(m: int, n: int, k: int) -> list[W4Config]:
 
 
 def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list[W4Config]:
-    """The Gluon kernel (dense, more than 64 rows): 1 or 2 warpgroups, 128- or 256-token tiles, K steps of
+    """The Gluon kernel (dense, more than 16 rows): 1 or 2 warpgroups, 64- to 256-token tiles, K steps of
     64 or 128 with as many x buffers as fit, weights loaded 2 or 4 K steps ahead, the two split-K factors
     that bring the program count closest to 1-2 per SM (narrow N with long K has few output tiles), and
-    where the tiles end in a partial wave, split K of that wave's tiles only (split_tail). (64-token tiles
-    were offered at 128-256 rows on the H200 and won nothing, 2026-11-25.)"""
-    if m <= 64:
+    where the tiles end in a partial wave, split K of that wave's tiles only (split_tail). 64-token tiles
+    only at 17-64 rows (offered at 128-256 rows on the H200 they won nothing, 2026-11-25)."""
+    if m <= 16:
         return []
     cands = []
     for bn in (64, 128):
-        for bm in (128, 256):
+        for bm in ((64,) if m <= 64 else (128, 256)):
             for bk in (64, 128):
                 tiles = math.ceil(m / bm) * math.ceil(n / bn)
                 steps = math.ceil(k / bk)

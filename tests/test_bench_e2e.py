@@ -43,7 +43,8 @@ def test_best_builtin_and_report(tmp_path):
     rs = [_result("bf16", {1: 200, 8: 1600}, 40000), _result("marlin", {1: 300, 8: 2200}, 20000),
           _result("humming", {1: 310, 8: 2300}, 38000), _result("ours", {1: 700, 8: 2000}, 39000),
           {"engine": "vllm", "model": "moe", "config": "ours", "error": "timed out after 1200 s"}]
-    rs[3]["profile"] = {"8": {"steps": 16, "gpu_us_per_step": 4000.0,
+    rs[3]["profile"] = {"8": {"steps": 16, "gpu_us_per_step": 4000.0, "gpu_busy": 0.9,
+                              "graph_launches_per_step": 1.0, "kernel_launches_per_step": 3.0,
                               "kernels": [{"name": "w4_gemm_kernel", "us_per_step": 3000.0, "share": 0.75,
                                            "calls_per_step": 128.0}]}}
     for r in rs:
@@ -55,13 +56,19 @@ def test_best_builtin_and_report(tmp_path):
     assert "| ours |  | 80.0 | 700 | 2000 | 39000 |" in text
     assert "| ours |  | - | error: timed out after 1200 s |" in text
     assert "| `w4_gemm_kernel` | 3000.0 | 75.0% | 128.0 |" in text
+    assert "| ours | 8 | 4000 | 1.0 | 90% | 1.0 | 3.0 |" in text
     assert (tmp_path / "e2e.md").read_text() == text
 
 
 def test_kernel_table_from_a_trace(tmp_path):
-    events = [{"ph": "X", "cat": "kernel", "name": "a", "dur": 30.0}, {"ph": "X", "cat": "kernel", "name": "a", "dur": 10},
-              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "dur": 20.0},
-              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 999.0}]
+    events = [{"ph": "X", "cat": "kernel", "name": "a", "ts": 100.0, "dur": 30.0},
+              {"ph": "X", "cat": "kernel", "name": "a", "ts": 140.0, "dur": 10},
+              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 160.0, "dur": 20.0},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 999.0},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 90.0, "dur": 5.0},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 95.0, "dur": 5.0},
+              {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernel", "ts": 96.0, "dur": 2.0},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 97.0, "dur": 50.0}]
     path = tmp_path / "b8_dp0_pp0_tp0.pt.trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
@@ -69,6 +76,8 @@ def test_kernel_table_from_a_trace(tmp_path):
     assert t["gpu_us_per_step"] == 30.0
     assert t["kernels"][0] == {"name": "a", "us_per_step": 20.0, "share": pytest.approx(40 / 60), "calls_per_step": 1.0}
     assert [k["name"] for k in t["kernels"]] == ["a", "Memcpy HtoD"]
+    assert t["graph_launches_per_step"] == 1.0 and t["kernel_launches_per_step"] == 0.5
+    assert t["gpu_busy"] == pytest.approx(60 / 80)          # 60 µs of work between 100 and 180 µs
 
 
 def test_latency_stats():

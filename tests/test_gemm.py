@@ -412,7 +412,11 @@ def test_config_selection_from_json(tmp_path, monkeypatch):
         assert select_config("dense", 1, 256, 512) == W4Config(bm=8, v2=True, split_k=4)
         assert select_config("dense", 4, 256, 512).split_k == 4
         assert select_config("dense", 5, 256, 512).bm == 64
-        assert select_config("dense", 5000, 256, 512).bm == 64           # beyond the largest bucket
+        # beyond the largest tuned bucket the heuristic decides (a table tuned for decode sizes only
+        # must not send prefill through its decode tiles)
+        assert select_config("dense", 64, 256, 512).bm == 64
+        assert select_config("dense", 65, 256, 512) == gsel.heuristic("dense", 65, 256, 512)
+        assert select_config("dense", 5000, 256, 512) == gsel.heuristic("dense", 5000, 256, 512)
         assert select_config("dense", 5, 256, 1024) == gsel.heuristic("dense", 5, 256, 1024)
     finally:
         monkeypatch.delenv(gsel.ENV_CONFIG_DIR)

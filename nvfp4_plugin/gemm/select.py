@@ -11,8 +11,9 @@ JSON layout (written by ``benchmarks/tune_gemm.py``)::
      "grouped": {"E=128,N=1536,K=2048": {"8": {...}, ...}},     # bucket = routed rows (tokens*top_k)
      "masked":  {"E=128,N=1536,K=2048": {"8": {...}, ...}}}     # bucket = max_m
 
-A bucket entry applies to sizes up to its key (the nearest tuned bucket at or above the size; the
-largest one beyond it). A shape with no entry uses :func:`heuristic`.
+A bucket entry applies to sizes up to its key (the nearest tuned bucket at or above the size). Sizes
+beyond a shape's largest tuned bucket, and shapes with no entry, use :func:`heuristic`: a table tuned
+only for small sizes must not hand its small-size tiles to prefill-sized calls.
 """
 
 from __future__ import annotations
@@ -165,13 +166,11 @@ def shape_key(kind: str, n: int, k: int, e: int = 1) -> str:
 
 
 def _lookup(buckets: dict[int, W4Config], size: int) -> W4Config | None:
-    if not buckets:
-        return None
-    keys = sorted(buckets)
-    for b in keys:
+    """The tuned config of the smallest bucket at or above ``size``; None beyond the largest one."""
+    for b in sorted(buckets):
         if size <= b:
             return buckets[b]
-    return buckets[keys[-1]]
+    return None
 
 
 SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -212,8 +211,9 @@ GLUON_MIN_EXPERT_ROWS = 128
 
 
 def gluon_stages(bm: int, bk: int) -> int:
-    """x buffers of a Gluon config: as many as fit beside the other operands (96-128 KB of ring)."""
-    return {(128, 64): 4, (256, 64): 3, (128, 128): 3, (256, 128): 2}[(bm, bk)]
+    """x buffers of a Gluon config: as many as fit beside the other operands (96-128 KB of ring; the
+    64-token tiles keep 4 buffers, enough to cover a load's latency)."""
+    return {(64, 64): 4, (64, 128): 4, (128, 64): 4, (256, 64): 3, (128, 128): 3, (256, 128): 2}[(bm, bk)]
 
 
 def gluon_config(bn: int, bm: int, bk: int, **kw) -> W4Config:
