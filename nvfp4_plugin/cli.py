@@ -20,7 +20,51 @@ def _gpu_lines() -> list[str]:
     return lines
 
 
+def _capability(text: str) -> tuple[int, int]:
+    try:
+        major, minor = (int(v) for v in text.split("."))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--capability: expected MAJOR.MINOR like 9.0 or 10.0, got {text!r}") from None
+    return major, minor
+
+
+def _shape(text: str, n: int, name: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(v) for v in text.replace("x", ",").split(","))
+    except ValueError:
+        vals = ()
+    if len(vals) != n or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"{name}: expected {n} positive integers, got {text!r}")
+    return vals
+
+
+def capability_info(args) -> int:
+    """``info --capability X.Y``: the layer plan for that GPU (no such GPU needed); exit 1 if a kernel
+    that could be selected there fails to compile (``--compile``)."""
+    import os
+
+    # plan and compile as the GPU would run, never through the CPU interpreter (set before the GEMM
+    # package is imported)
+    os.environ.setdefault("NVFP4_PLUGIN_GEMM_COMPILE_ONLY", "1")
+    from .layers import deploy
+
+    kw = {}
+    if args.linear:
+        kw["linear"] = args.linear
+    if args.moe:
+        kw["moe"] = args.moe
+    rep = deploy.plan(args.capability, device_name=args.device_name, max_tokens=args.max_tokens,
+                      compile=args.compile, **kw)
+    print("\n".join(rep.lines))
+    return 1 if rep.failures else 0
+
+
 def info(args=None) -> int:
+    if args is not None and getattr(args, "capability", None) is not None:
+        return capability_info(args)
+    if args is not None and (getattr(args, "compile", False) or getattr(args, "device_name", None)):
+        print("nvfp4-plugin info: --compile and --device-name need --capability", file=sys.stderr)
+        return 2
     from . import __version__
     from ._ext import extension_status
     from .ops import _registry
@@ -216,7 +260,21 @@ def bench(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="nvfp4-plugin", description="NVFP4 quantization plugin for vLLM and SGLang")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("info", help="versions, GPU, compiled extension, and which backend each op uses here")
+    p = sub.add_parser("info", help="versions, GPU, compiled extension, and which backend each op uses here; "
+                                    "with --capability, the layer plan for another GPU")
+    p.add_argument("--capability", type=_capability, metavar="X.Y",
+                   help="plan for a GPU of this compute capability (e.g. 9.0 H100/H200, 10.0 B200, 10.3 B300): the "
+                        "backend and kernel family of each layer kind per token count; no such GPU needed")
+    p.add_argument("--compile", action="store_true",
+                   help="with --capability: compile every kernel variant those layers could launch for that GPU "
+                        "(exit 1 if one fails)")
+    p.add_argument("--device-name", help="with --capability: plan with this GPU's tuned GEMM table (e.g. 'NVIDIA "
+                                         "H200'); default: the heuristics")
+    p.add_argument("--max-tokens", type=int, default=16384, help="largest token count planned (default 16384)")
+    p.add_argument("--linear", action="append", metavar="NxK", type=lambda t: _shape(t, 2, "--linear"), help="dense layer shape (repeatable; default: the "
+                                                                    "Llama-3-8B and Qwen3-30B-A3B projections)")
+    p.add_argument("--moe", action="append", metavar="E,H,I,TOPK", type=lambda t: _shape(t, 4, "--moe"), help="fused-MoE shape (repeatable; default "
+                                                                         "128,2048,768,8)")
     p = sub.add_parser("demo", help="info, then quantize/dequantize a random matrix")
     p.add_argument("--m", type=int, default=256)
     p.add_argument("--k", type=int, default=4096)

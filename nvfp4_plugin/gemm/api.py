@@ -298,12 +298,13 @@ def w4_linear(x: torch.Tensor, weight: PackedW4Weight, bias: torch.Tensor | None
     return y.reshape(*lead, n)
 
 
-def _dense_variant(m: int, lay, cfg: W4Config, sms: int) -> tuple:
+def _dense_variant(m: int, lay, cfg: W4Config, sms: int, gluon_mod=False) -> tuple:
     """What :func:`w4_linear` compiles and launches for ``m`` rows under ``cfg`` (its kernel
-    variants: configs and compile-time switches; sizes are not specialized on)."""
+    variants: configs and compile-time switches; sizes are not specialized on). ``gluon_mod``: the
+    Gluon module to plan with (default: the one this process can run, see :func:`_gluon`)."""
     if cfg.dequant_mm:
         return ("dequant_mm",)
-    g = _gluon() if cfg.gluon else None
+    g = (_gluon() if gluon_mod is False else gluon_mod) if cfg.gluon else None
     if g is not None:
         return ("gluon", cfg, g.dense_plan(m, lay, cfg, sms)[0] > 1)
     cfg = _without_gluon(cfg) if cfg.gluon else cfg

@@ -37,7 +37,8 @@ _DIV16 = {"N", "K", "K_pad", "stride_xm", "stride_xe", "stride_qe", "stride_qn",
           "stride_ae", "stride_ym", "stride_ye"}
 
 
-def compile_config(cfg: W4Config, *, mode: int = 0, fp16: bool = False, even_k: bool = True, **flags):
+def compile_config(cfg: W4Config, *, mode: int = 0, fp16: bool = False, even_k: bool = True, arch: int = 90,
+                   **flags):
     if tk.INTERPRET:
         raise RuntimeError("set NVFP4_PLUGIN_GEMM_COMPILE_ONLY=1 before importing nvfp4_plugin.gemm")
     fn = tk.w4_gemm_kernel
@@ -58,7 +59,7 @@ def compile_config(cfg: W4Config, *, mode: int = 0, fp16: bool = False, even_k: 
     if cfg.v2 and cfg.bm >= 16:
         os.environ["DISABLE_MMA_V3"] = "1"
     try:
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+        return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     finally:
         if env is None:
@@ -68,9 +69,9 @@ def compile_config(cfg: W4Config, *, mode: int = 0, fp16: bool = False, even_k: 
 
 
 def compile_gluon(cfg: W4Config, *, fp16: bool = False, split: bool = False, mode: int = 0, m: int = 256,
-                  k: int = 4096):
-    """The Gluon kernel (:mod:`.gluon_w4`) of a ``gluon=True`` config, compiled for sm_90a (``mode`` 0
-    dense, 1 grouped with scatter and row scale, 2 masked)."""
+                  k: int = 4096, arch: int = 90):
+    """The Gluon kernel (:mod:`.gluon_w4`) of a ``gluon=True`` config, compiled for ``sm_{arch}a`` (``mode``
+    0 dense, 1 grouped with scatter and row scale, 2 masked)."""
     import torch
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -94,7 +95,20 @@ def compile_gluon(cfg: W4Config, *, fp16: bool = False, split: bool = False, mod
              if sig[n].startswith("*") or n in ("N", "K_pad", "stride_qe", "stride_qn", "stride_se", "stride_sn",
                                                 "stride_ae", "stride_ym")}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": cfg.num_warps})
+
+
+def compile_dequant(*, fp16: bool = False, arch: int = 90):
+    """The weight dequantization kernel of the large-M ``dequant_mm`` path, compiled for ``sm_{arch}a``."""
+    fn = tk.w4_dequant_kernel
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update(q_ptr="*i32", s_ptr="*i16", out_ptr="*fp16" if fp16 else "*bf16", alpha_ptr="*fp32",
+               actscale_ptr="*fp32")
+    const = dict(BN=64, BK=128, DT=int(fp16), USE_ASM=1, APPLY_ALPHA=0, ACT_SCALE=0)
+    for key in const:
+        sig[key] = "constexpr"
+    src = ASTSource(fn=fn, signature=sig, constexprs=const)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
 
 
 def sass_text(compiled) -> str:

@@ -329,6 +329,18 @@ def first_sizes(key, max_size: int) -> list[int]:
     return out
 
 
+def size_ranges(key, max_size: int) -> list[tuple[int, int, object]]:
+    """``(first, last, key)`` runs of equal ``key(size)`` over ``1..max_size``, ascending."""
+    out: list[tuple[int, int, object]] = []
+    for size in range(1, max(1, int(max_size)) + 1):
+        kk = key(size)
+        if out and out[-1][2] == kk:
+            out[-1] = (out[-1][0], size, kk)
+        else:
+            out.append((size, size, kk))
+    return out
+
+
 def config_fn(kind: str, n: int, k: int, e: int = 1, device: torch.device | None = None):
     """``size -> select_config(kind, size, n, k, e)`` without filling the per-shape lookup cache (for
     scans over every size, see :func:`first_sizes`)."""

@@ -33,7 +33,7 @@ class Nvfp4VllmConfig(QuantizationConfig):
 
     @classmethod
     def get_min_capability(cls) -> int:
-        return 90  # Hopper: our FP4-weight kernels; Blackwell: FP4 tensor cores
+        return 90  # Hopper: our FP4-weight kernels; other GPUs: the reference backend (nvfp4-plugin info --capability)
 
     @staticmethod
     def get_config_filenames() -> list[str]:

@@ -1,6 +1,6 @@
-"""Hopper backend: our Triton FP4-weight GEMMs (:mod:`nvfp4_plugin.gemm`), weights repacked once at
-load time into the kernel layout. Runs on sm90+ (H100/H200; Blackwell too, until a tensor-core FP4
-backend lands ahead of it)."""
+"""Hopper backend: our Triton / Gluon FP4-weight GEMMs (:mod:`nvfp4_plugin.gemm`), weights repacked once
+at load time into the kernel layout. sm_90 only (H100 / H200): its kernels use Hopper's wgmma, and
+Triton 3.6 cannot build them for Blackwell (sm_100 / sm_103), which falls back to another backend."""
 
 from __future__ import annotations
 
@@ -10,17 +10,22 @@ from ...weights import Nvfp4Weight
 from ..base import Backend
 
 
-def _cuda_sm90_reason(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return f"needs a CUDA device, got {device.type}"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 9:
-        return f"needs compute capability >= 9.0, GPU is {major}.{minor}"
+def _triton_reason() -> str | None:
     try:
         import triton  # noqa: F401
     except Exception as exc:  # pragma: no cover - depends on the install
         return f"triton not importable ({exc})"
     return None
+
+
+def _device_table(spec, dev_key, sms):
+    """The tuned-config table and SM count to plan with: the named ones, else the spec's device's."""
+    from ...gemm import select
+
+    if dev_key is None:
+        dev_key, sms_here = select._device_args(spec.device)
+        sms = sms or sms_here
+    return dev_key, sms or 132
 
 
 def _dtype_reason(spec) -> str | None:
@@ -40,13 +45,14 @@ def _unpacked(prefix: str, layout, t: dict):
 
 
 class _Hopper(Backend):
-    """What the Hopper linear and MoE backends share: the name, sm90+ CUDA, bf16/fp16 activations."""
+    """What the Hopper linear and MoE backends share: the name, sm_90 CUDA, bf16/fp16 activations."""
 
     name = "hopper_triton"
+    archs = ((9, 0),)
 
     @classmethod
-    def unsupported_reason(cls, device):
-        return _cuda_sm90_reason(device)
+    def unsupported_reason(cls, device, capability=None):
+        return super().unsupported_reason(device, capability) or _triton_reason()
 
     @classmethod
     def cannot_implement(cls, spec):
@@ -54,6 +60,14 @@ class _Hopper(Backend):
 
 
 class HopperLinear(_Hopper):
+    @classmethod
+    def families(cls, spec, max_tokens, *, dev_key=None, sms=None, **kw):
+        from ...gemm import plan
+
+        dev_key, sms = _device_table(spec, dev_key, sms)
+        return plan.families(plan.linear_variants(spec.n, spec.k, max_tokens, dev_key=dev_key, sms=sms,
+                                                  act_dtype=spec.act_dtype))
+
     def prepare(self, spec, weight: Nvfp4Weight, input_global_scale):
         from ...gemm import prepack
 
@@ -76,6 +90,14 @@ class HopperLinear(_Hopper):
 
 
 class HopperMoe(_Hopper):
+    @classmethod
+    def families(cls, spec, max_tokens, *, top_k=1, dev_key=None, sms=None, **kw):
+        from ...gemm import plan
+
+        dev_key, sms = _device_table(spec, dev_key, sms)
+        return plan.families(plan.fused_moe_variants(spec.num_experts, spec.hidden, spec.intermediate, top_k,
+                                                     max_tokens, dev_key=dev_key, sms=sms))
+
     def prepare(self, spec, w13: Nvfp4Weight, w2: Nvfp4Weight, a13_global_scale, a2_global_scale):
         from ...gemm import prepack
 

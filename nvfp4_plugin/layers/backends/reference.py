@@ -40,6 +40,7 @@ def _weight_tensors(prefix: str, w: Nvfp4Weight) -> dict[str, torch.Tensor]:
 
 class ReferenceLinear(Backend):
     name = "reference"
+    family = "dequantize + torch matmul"
 
     def prepare(self, spec, weight: Nvfp4Weight, input_global_scale: torch.Tensor | None):
         mode = spec.mode
@@ -58,6 +59,7 @@ class ReferenceLinear(Backend):
 
 class ReferenceMoe(Backend):
     name = "reference"
+    family = "dequantize + torch._grouped_mm"
 
     def prepare(self, spec, w13: Nvfp4Weight, w2: Nvfp4Weight, a13_global_scale, a2_global_scale):
         mode = spec.mode
