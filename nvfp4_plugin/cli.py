@@ -166,7 +166,9 @@ def quantize(args) -> int:
                            calibration=not args.no_calibration,
                            calib_texts=read_calibration_file(args.calib_file) if args.calib_file else None,
                            calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
-                           per_shard_global_scales=args.per_shard_global_scales, max_shard_size=args.max_shard_size,
+                           per_shard_global_scales=args.per_shard_global_scales, method=args.method,
+                           weights_only=args.weights_only,
+                           max_shard_size=args.max_shard_size,
                            overwrite=args.overwrite, progress=not args.quiet)
     rc, report = _write_folder("quantize", args.dst, lambda: quantize_checkpoint(args.src, args.dst, opts),
                                (CheckpointError, FileExistsError, MissingDependency))
@@ -177,6 +179,27 @@ def quantize(args) -> int:
         print(f"note: {len(report.filled_experts)} experts saw no calibration tokens and use their layer's largest "
               "input scale")
     return 0
+
+
+def eval_ppl(args) -> int:
+    """Perplexity of a checkpoint folder (NVFP4 through the reference numerics, or unquantized)."""
+    from pathlib import Path
+
+    from .checkpoints.errors import CheckpointError, MissingDependency
+    from .checkpoints.evaluate import perplexity
+
+    _setup_logging(True)
+    text = Path(args.text).read_text(encoding="utf-8")
+    rc = 0
+    for model in args.models:
+        try:
+            rep = perplexity(model, text, seq_len=args.seq_len, device=args.device, activations=args.activations)
+        except (CheckpointError, MissingDependency, FileNotFoundError, ValueError) as exc:
+            print(f"nvfp4-plugin eval-ppl: {model}: error: {exc}", file=sys.stderr)
+            rc = 1
+            continue
+        print(rep.summary(), flush=True)
+    return rc
 
 
 def make_model_cmd(args) -> int:
@@ -305,6 +328,12 @@ def main(argv=None) -> int:
     p.add_argument("--per-shard-global-scales", action="store_true",
                    help="one global scale per tensor instead of one per fused group (q/k/v, gate/up); exact with "
                         "this plugin, lossy with the engines' built-in loaders")
+    p.add_argument("--method", choices=("rtn", "mse"), default="rtn",
+                   help="block scales: rtn = from each 16-value block's maximum (ModelOpt's default); mse = the E4M3 "
+                        "scale within two octaves of it with the least squared error, each column weighted by its "
+                        "mean squared calibration input when calibrating (same format, any loader)")
+    p.add_argument("--weights-only", action="store_true",
+                   help="calibrate (for mse's weights) but write W4A16_NVFP4, without activation scales")
     p.add_argument("--max-shard-size", default="5GB", help="output shard size (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists (atomically, at the end)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
@@ -334,6 +363,15 @@ def main(argv=None) -> int:
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--quiet", action="store_true")
 
+    p = sub.add_parser("eval-ppl", help="perplexity of checkpoint folders on a text (NVFP4 through the reference "
+                                        "numerics, W4A4 with activations quantized; bf16 as it is)")
+    p.add_argument("models", nargs="+", help="checkpoint folders (NVFP4 or unquantized)")
+    p.add_argument("--text", required=True, help="UTF-8 text file")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--activations", choices=("auto", "none"), default="auto",
+                   help="auto: quantize the inputs of W4A4 checkpoints as Blackwell does; none: weights only")
+
     p = sub.add_parser("check", help="validate an NVFP4 checkpoint folder (CPU only)")
     p.add_argument("dir")
     p.add_argument("--no-block-scales", action="store_true", help="skip reading block-scale values")
@@ -345,7 +383,7 @@ def main(argv=None) -> int:
 
     args = parser.parse_args(argv)
     commands = {"info": info, "demo": demo, "quantize": quantize, "make-model": make_model_cmd,
-                "dequantize": dequantize_cmd, "check": check, "bench": bench}
+                "dequantize": dequantize_cmd, "check": check, "bench": bench, "eval-ppl": eval_ppl}
     return commands[args.cmd](args)
 
 

@@ -198,8 +198,11 @@ def read_calibration_file(path) -> list[str]:
 
 
 def calibrate_input_amax(src, files: CheckpointFiles, modules, *, device, texts: list[str] | None = None,
-                         samples: int = 16, seq_len: int = 512, batch_size: int = 4) -> dict[str, float]:
-    """``{hub module name: input amax}`` for the requested (to-be-quantized) hub modules."""
+                         samples: int = 16, seq_len: int = 512, batch_size: int = 4,
+                         second_moments: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+    """``{hub module name: input amax}`` for the requested (to-be-quantized) hub modules. With
+    ``second_moments`` (a dict, filled in place): each dense module's mean squared input per column
+    (fp32 ``[K]``, on the CPU), the weights of ``quantize --method mse``'s block error."""
     require("transformers", "calibration", "; or pass --no-calibration for weight-only NVFP4")
     src = Path(src)
     device = torch.device(device)
@@ -213,6 +216,14 @@ def calibrate_input_amax(src, files: CheckpointFiles, modules, *, device, texts:
     def record(key: str, value: torch.Tensor) -> None:
         prev = stats.get(key)
         stats[key] = value if prev is None else torch.maximum(prev, value)
+
+    sums: dict[str, list] = {}
+
+    def record_moment(key: str, x: torch.Tensor) -> None:
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        sq = torch.nan_to_num(x2 * x2, nan=0.0, posinf=0.0).sum(0)
+        prev = sums.get(key)
+        sums[key] = [sq, x2.shape[0]] if prev is None else [prev[0] + sq, prev[1] + x2.shape[0]]
 
     hooks = []
     expert_prefixes = {}
@@ -231,6 +242,9 @@ def calibrate_input_amax(src, files: CheckpointFiles, modules, *, device, texts:
         if isinstance(mod, torch.nn.Linear) and hub in wanted:
             hooks.append(mod.register_forward_pre_hook(
                 lambda _m, args, _hub=hub: record(_hub, _finite_amax(args[0]))))
+            if second_moments is not None:
+                hooks.append(mod.register_forward_pre_hook(
+                    lambda _m, args, _hub=hub: record_moment(_hub, args[0])))
         elif hub in expert_prefixes and hasattr(mod, "gate_up_proj") and hasattr(mod, "down_proj"):
             hooks.append(mod.register_forward_pre_hook(_expert_hook(expert_prefixes[hub], record), with_kwargs=True))
     t1 = time.time()
@@ -242,6 +256,8 @@ def calibrate_input_amax(src, files: CheckpointFiles, modules, *, device, texts:
         for h in hooks:
             h.remove()
     out = {k: float(v.item()) for k, v in stats.items()}
+    if second_moments is not None:
+        second_moments.update({k: (sq / max(n, 1)).cpu() for k, (sq, n) in sums.items()})
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -55,6 +55,9 @@ logger = logging.getLogger("nvfp4_plugin")
 _SOURCE_DTYPES = ("BF16", "F16", "F32")
 
 
+METHODS = ("rtn", "mse")
+
+
 @dataclass
 class QuantizeOptions:
     format: str = F.MODELOPT
@@ -67,6 +70,12 @@ class QuantizeOptions:
     calib_seq_len: int = 512
     calib_batch_size: int = 4
     per_shard_global_scales: bool = False
+    #: Block scales: "rtn" (from each block's maximum, ModelOpt's default) or "mse" (searched among the
+    #: E4M3 values near it for the least squared error, checkpoints/scale_search.py). Same format.
+    method: str = "rtn"
+    #: Calibrate (mse: weight each column's error by its mean squared input) but write a W4A16
+    #: checkpoint, without activation scales.
+    weights_only: bool = False
     max_shard_size: int | str = "5GB"
     overwrite: bool = False
     progress: bool = True
@@ -111,9 +120,11 @@ class QuantizeReport:
     seconds_total: float
     device: str
     filled_experts: list[str] = field(default_factory=list)
+    method: str = "rtn"
 
     def summary(self) -> str:
-        return (f"wrote {self.dst}: {self.format} {self.quant_algo}, {self.modules_quantized} modules quantized, "
+        return (f"wrote {self.dst}: {self.format} {self.quant_algo} ({self.method} block scales), "
+                f"{self.modules_quantized} modules quantized, "
                 f"{len(self.modules_excluded)} left in high precision, {len(self.files)} file(s), "
                 f"{self.bytes_in / 1e9:.2f} GB -> {self.bytes_out / 1e9:.2f} GB; "
                 f"calibration {self.seconds_calibration:.1f}s, quantization {self.seconds_quantize:.1f}s, "
@@ -263,7 +274,8 @@ class _Quantizer:
 
 
 def _quantize_group(group: QuantGroup, tensors, files: CheckpointFiles, device, options: QuantizeOptions,
-                    quant_algo: str, input_amax: dict[str, float], writer: ShardedWriter, quantizer) -> None:
+                    quant_algo: str, input_amax: dict[str, float], writer: ShardedWriter, quantizer,
+                    moments: dict[str, torch.Tensor] | None = None) -> None:
     spec = F.spec(options.format)
     xs = []
     amaxes = []
@@ -283,7 +295,13 @@ def _quantize_group(group: QuantGroup, tensors, files: CheckpointFiles, device, 
     if quant_algo == F.ALGO_W4A4:
         in_gs = F.global_scale_from_amax_exact(max(input_amax[m] for m in group.modules))
     for m, x, gs in zip(group.modules, xs, scales):
-        packed, block = quantizer(x, gs.reshape(1).to(device))
+        if options.method == "mse":
+            from .scale_search import quantize_mse
+
+            w = (moments or {}).get(m)
+            packed, block = quantize_mse(x, gs.to(device), col_weight=None if w is None else w.to(device))
+        else:
+            packed, block = quantizer(x, gs.reshape(1).to(device))
         writer.write(f"{m}.{spec.suffix(F.ROLE_WEIGHT)}", packed.cpu())
         writer.write(f"{m}.{spec.suffix(F.ROLE_BLOCK_SCALE)}", block.cpu())
         writer.write(f"{m}.{spec.suffix(F.ROLE_GLOBAL_SCALE)}", F.checkpoint_global_from_encode(gs, options.format))
@@ -308,6 +326,8 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
     options = options or QuantizeOptions(**kwargs)
     if options.format not in F.FORMATS:
         raise ValueError(f"format: expected one of {F.FORMATS}, got {options.format!r}")
+    if options.method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {options.method!r}")
     t_start = time.time()
     src, dst = Path(src), Path(dst)
     if dst.exists() and not options.overwrite:
@@ -324,24 +344,27 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
                                                          "quantize a bf16/fp16 checkpoint"))
     device = _resolve_device(options.device)
     files = CheckpointFiles(src)
-    quant_algo = F.ALGO_W4A4 if options.calibration else F.ALGO_W4A16
+    quant_algo = F.ALGO_W4A4 if options.calibration and not options.weights_only else F.ALGO_W4A16
     plan = plan_quantization(files, options, quant_algo)
     if not plan.quantized:
         raise CheckpointError(problem(src, None, "nothing to quantize: every linear weight is excluded"))
 
     input_amax: dict[str, float] = {}
+    moments: dict[str, torch.Tensor] | None = {} if options.method == "mse" else None
     filled: list[str] = []
     t_cal = time.time()
-    if quant_algo == F.ALGO_W4A4:
+    if options.calibration and (quant_algo == F.ALGO_W4A4 or moments is not None):
         from .calibrate import calibrate_input_amax
 
         raw = calibrate_input_amax(src, files, plan.modules, device=device, texts=options.calib_texts,
                                    samples=options.calib_samples, seq_len=options.calib_seq_len,
-                                   batch_size=options.calib_batch_size)
-        input_amax, filled = _input_amax_for(plan, raw)
+                                   batch_size=options.calib_batch_size, second_moments=moments)
+        if quant_algo == F.ALGO_W4A4:
+            input_amax, filled = _input_amax_for(plan, raw)
         if filled:
             logger.warning("nvfp4_plugin: %d experts received no calibration tokens; they use their layer's "
                            "largest input amax", len(filled))
+    options_moments = moments or {}
     t_cal = time.time() - t_cal
 
     writer = None
@@ -368,7 +391,8 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
                         writer.write_raw(x, files.file_of(x), x)
                         done = files.info(x).nbytes
                     else:
-                        _quantize_group(x, data, files, device, options, quant_algo, input_amax, writer, quantizer)
+                        _quantize_group(x, data, files, device, options, quant_algo, input_amax, writer, quantizer,
+                                        options_moments)
                         done = sum(t.numel() * t.element_size() for t in data)
                     if bar is not None:
                         bar.update(done)
@@ -396,4 +420,4 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
         reader.close()
     return QuantizeReport(str(dst), options.format, quant_algo, len(plan.quantized), dict(plan.excluded), out_files,
                           sum(i.nbytes for i in files.tensors.values()), bytes_out, t_cal, t_q,
-                          time.time() - t_start, str(device), filled)
+                          time.time() - t_start, str(device), filled, options.method)
