@@ -54,7 +54,7 @@ def capability_info(args) -> int:
     if args.moe:
         kw["moe"] = args.moe
     rep = deploy.plan(args.capability, device_name=args.device_name, max_tokens=args.max_tokens,
-                      compile=args.compile, **kw)
+                      compile=args.compile, mode=args.mode, **kw)
     print("\n".join(rep.lines))
     return 1 if rep.failures else 0
 
@@ -294,6 +294,9 @@ def main(argv=None) -> int:
     p.add_argument("--device-name", help="with --capability: plan with this GPU's tuned GEMM table (e.g. 'NVIDIA "
                                          "H200'); default: the heuristics")
     p.add_argument("--max-tokens", type=int, default=16384, help="largest token count planned (default 16384)")
+    p.add_argument("--mode", choices=("w4a16", "w4a4"), help="with --capability: plan for a weight-only (w4a16) or "
+                                                             "an activation-scaled (w4a4) checkpoint; default: that "
+                                                             "GPU's default mode (w4a4 on sm_100+)")
     p.add_argument("--linear", action="append", metavar="NxK", type=lambda t: _shape(t, 2, "--linear"), help="dense layer shape (repeatable; default: the "
                                                                     "Llama-3-8B and Qwen3-30B-A3B projections)")
     p.add_argument("--moe", action="append", metavar="E,H,I,TOPK", type=lambda t: _shape(t, 4, "--moe"), help="fused-MoE shape (repeatable; default "

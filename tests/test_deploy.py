@@ -40,7 +40,7 @@ def test_blackwell_falls_back_to_the_reference_with_the_reason(monkeypatch):
     monkeypatch.delenv(base.ENV_MOE_BACKEND, raising=False)
     spec = LinearSpec(4096, 4096, torch.bfloat16, "w4a16", CUDA)
     cls, skipped = choose_backend("linear", LINEAR_BACKENDS, spec, base.ENV_LINEAR_BACKEND, (10, 0))
-    assert cls.name == "reference" and skipped == [("hopper_triton", "runs on sm_90 only, the GPU is sm_100")]
+    assert cls.name == "reference" and skipped[0] == ("hopper_triton", "runs on sm_90 only, the GPU is sm_100")
     cls, _ = choose_backend("linear", LINEAR_BACKENDS, spec, base.ENV_LINEAR_BACKEND, (9, 0))
     assert cls.name == "hopper_triton"
     mspec = MoeSpec(128, 2048, 768, torch.bfloat16, "w4a16", CUDA)
@@ -122,3 +122,15 @@ def test_info_rejects_bad_arguments():
     assert r.returncode == 2 and "need --capability" in r.stderr
     r = _cli("--capability", "9.0", "--linear", "256")
     assert r.returncode == 2 and "--linear: expected 2 positive integers" in r.stderr
+
+
+def test_default_activation_mode_follows_the_architecture(monkeypatch):
+    monkeypatch.delenv(base.ENV_ACT_MODE, raising=False)
+    assert base.default_mode((10, 0)) == base.default_mode((10, 3)) == "w4a4"
+    assert base.default_mode((9, 0)) == base.default_mode(None) == "w4a16"
+    assert base.resolve_mode(True, torch.device("cpu")) == "w4a16"
+    monkeypatch.setattr(base, "device_capability", lambda d: (10, 0))
+    assert base.resolve_mode(True, CUDA) == "w4a4"
+    assert base.resolve_mode(False, CUDA) == "w4a16"          # no input scales: weight-only whatever the GPU
+    monkeypatch.setenv(base.ENV_ACT_MODE, "w4a16")
+    assert base.resolve_mode(True, CUDA) == "w4a16"

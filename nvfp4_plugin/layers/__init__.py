@@ -21,6 +21,7 @@ import time
 import torch
 
 from ..weights import Nvfp4Weight
+from .backends.flashinfer_fp4 import FlashInferLinear
 from .backends.hopper import HopperLinear, HopperMoe
 from .backends.reference import ReferenceLinear, ReferenceMoe
 from .base import (ENV_LINEAR_BACKEND, ENV_MOE_BACKEND, Backend, LinearSpec, MoeSpec, resolve_mode,
@@ -70,7 +71,7 @@ class _Layer:
         self.tensors = dict(tensors)
 
 #: Priority order, fastest first; the reference is always last.
-LINEAR_BACKENDS: list[type[Backend]] = [HopperLinear, ReferenceLinear]
+LINEAR_BACKENDS: list[type[Backend]] = [HopperLinear, FlashInferLinear, ReferenceLinear]
 MOE_BACKENDS: list[type[Backend]] = [HopperMoe, ReferenceMoe]
 
 # layer key -> the layer object. The custom ops take the key, not the tensors: a graph compiled by
@@ -110,7 +111,7 @@ class Nvfp4Linear(_Layer):
 
     def __init__(self, weight: Nvfp4Weight, input_global_scale: torch.Tensor | None = None,
                  act_dtype: torch.dtype = torch.bfloat16):
-        self.mode = resolve_mode(input_global_scale is not None)
+        self.mode = resolve_mode(input_global_scale is not None, weight.packed.device)
         self.spec = spec = LinearSpec(weight.n, weight.k, act_dtype, self.mode, weight.packed.device)
         self.backend = select_backend("linear", LINEAR_BACKENDS, spec, ENV_LINEAR_BACKEND)
         self.tensors, self.meta = self.backend.prepare(spec, weight, input_global_scale)
@@ -143,7 +144,7 @@ class Nvfp4FusedMoE(_Layer):
         e, two_i, h = w13.lead_shape[0], w13.n, w13.k
         if w2.lead_shape[0] != e or w2.n != h or w2.k * 2 != two_i:
             raise ValueError(f"w2: expected [E={e}, H={h}, I={two_i // 2}], got [{w2.lead_shape[0]}, {w2.n}, {w2.k}]")
-        self.mode = resolve_mode(a13_global_scale is not None and a2_global_scale is not None)
+        self.mode = resolve_mode(a13_global_scale is not None and a2_global_scale is not None, w13.packed.device)
         self.spec = spec = MoeSpec(e, h, two_i // 2, act_dtype, self.mode, w13.packed.device)
         self.backend = select_backend("moe", MOE_BACKENDS, spec, ENV_MOE_BACKEND)
         self.tensors, self.meta = self.backend.prepare(spec, w13, w2, a13_global_scale, a2_global_scale)

@@ -18,9 +18,10 @@ logger = logging.getLogger("nvfp4_plugin")
 
 ENV_LINEAR_BACKEND = "NVFP4_PLUGIN_LINEAR_BACKEND"
 ENV_MOE_BACKEND = "NVFP4_PLUGIN_MOE_BACKEND"
-#: ``w4a16`` (activations stay bf16/fp16: the Hopper default) or ``w4a4`` (activations quantized
-#: to NVFP4 with the checkpoint's input scale, as Blackwell computes). Checkpoints without input
-#: scales always run ``w4a16``.
+#: ``w4a16`` (activations stay bf16/fp16) or ``w4a4`` (activations quantized to NVFP4 with the
+#: checkpoint's input scale). Default: ``w4a4`` on Blackwell (sm_100+: its FP4 tensor cores multiply
+#: NVFP4 activations) and ``w4a16`` elsewhere (Hopper). Checkpoints without input scales always run
+#: ``w4a16``.
 ENV_ACT_MODE = "NVFP4_PLUGIN_ACT_MODE"
 MODES = ("w4a16", "w4a4")
 
@@ -163,8 +164,13 @@ def _spec_text(spec) -> str:
     return f"E={spec.num_experts} H={spec.hidden} I={spec.intermediate}"
 
 
-def resolve_mode(has_input_scale: bool) -> str:
-    mode = os.environ.get(ENV_ACT_MODE, "w4a16")
+def default_mode(capability: Capability) -> str:
+    return "w4a4" if capability is not None and capability[0] >= 10 else "w4a16"
+
+
+def resolve_mode(has_input_scale: bool, device: torch.device | None = None) -> str:
+    default = default_mode(device_capability(device) if device is not None else None)
+    mode = os.environ.get(ENV_ACT_MODE, default)
     if mode not in MODES:
         raise ValueError(f"{ENV_ACT_MODE}={mode!r}: expected one of {MODES}")
     if mode == "w4a4" and not has_input_scale:

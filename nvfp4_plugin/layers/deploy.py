@@ -48,21 +48,25 @@ def _variants(cls, spec, max_tokens: int, top_k: int, dev_key: str, sms: int):
 
 def plan(capability: tuple[int, int], *, device_name: str | None = None, max_tokens: int = 16384,
          linear=DEFAULT_LINEAR, moe=DEFAULT_MOE, act_dtype: torch.dtype = torch.bfloat16, sms: int = 132,
-         compile: bool = False) -> Report:
+         compile: bool = False, mode: str | None = None) -> Report:
     """The report of ``nvfp4-plugin info --capability``: per layer shape, the backend chosen on a GPU of
     ``capability`` (and why the ones before it were skipped) and the kernel family of each token
     range; with ``compile``, every distinct kernel variant compiled for ``sm_XYa``."""
     rep = Report()
+    from .base import default_mode
+
+    mode = mode or default_mode(capability)
     dev_key = (device_name or "").replace(" ", "_").replace("/", "_") or "none"
     from ..gemm import select
 
     tuned = bool(select.load_table(dev_key)) if device_name else False
     rep.lines.append(f"GPU: {sm(capability)}a{f' ({device_name})' if device_name else ''}; GEMM configs: "
-                     + (f"tuned table {dev_key}.json" if tuned else "heuristics (no tuned table named)"))
+                     + (f"tuned table {dev_key}.json" if tuned else "heuristics (no tuned table named)")
+                     + f"; checkpoint {'with activation scales (w4a4)' if mode == 'w4a4' else 'weight-only or w4a16'}")
     device = torch.device("cuda")
     todo: dict = {}
     for n, k in linear:
-        spec = LinearSpec(n, k, act_dtype, "w4a16", device)
+        spec = LinearSpec(n, k, act_dtype, mode, device)
         cls, skipped = choose_backend("linear", LINEAR_BACKENDS, spec, ENV_LINEAR_BACKEND, capability)
         fams = cls.families(spec, max_tokens, dev_key=dev_key, sms=sms)
         rep.lines.append(f"linear N={n} K={k}: backend {cls.name}"
@@ -71,7 +75,7 @@ def plan(capability: tuple[int, int], *, device_name: str | None = None, max_tok
         for v, proj in _variants(cls, spec, max_tokens, 1, dev_key, sms):
             todo.setdefault((v, proj, 1), f"linear N={n} K={k}")
     for e, h, i, top_k in moe:
-        spec = MoeSpec(e, h, i, act_dtype, "w4a16", device)
+        spec = MoeSpec(e, h, i, act_dtype, mode, device)
         cls, skipped = choose_backend("moe", MOE_BACKENDS, spec, ENV_MOE_BACKEND, capability)
         fams = cls.families(spec, max_tokens, top_k=top_k, dev_key=dev_key, sms=sms)
         rep.lines.append(f"fused MoE E={e} H={h} I={i} top_k={top_k}: backend {cls.name}"

@@ -1,0 +1,113 @@
+"""Blackwell linear backend: our ``scaled_fp4_quant`` (activations to NVFP4, 128x4-swizzled scales), then
+FlashInfer's FP4 tensor-core GEMM ``flashinfer.mm_fp4`` (CUTLASS by default, cuDNN by
+``NVFP4_PLUGIN_FLASHINFER_MM_BACKEND``). sm_100 / sm_103 (B200 / B300), where FlashInfer ships
+these kernels; needs ``flashinfer-python`` (``pip install 'nvfp4-plugin[blackwell]'``) and a checkpoint
+with activation scales (W4A4: the GEMM multiplies NVFP4 activations).
+
+What is handed to ``mm_fp4`` follows its documented contract (flashinfer-python 0.6.14,
+``flashinfer/gemm/gemm_base.py``): ``a`` the activation codes ``[M, K/2]`` uint8 (element 2i in the
+low nibble), ``b`` the weight codes as the transposed view ``[K/2, N]`` of a row-major ``[N, K/2]``
+tensor (column-major, as its docstring asks), ``a_descale`` / ``b_descale`` the 128x4-swizzled E4M3
+block scales ``[round_up(rows, 128), round_up(K/16, 4)]`` (``b``'s transposed like ``b``),
+``alpha = 1 / (activation encode scale x weight encode scale)`` as one fp32 value on the device.
+
+Weights are converted once at load time. Our weights carry one encode global scale per output row
+(fused q/k/v or gate/up shards may differ); ``mm_fp4`` takes one ``alpha``, so each run of rows with
+the same scale is its own GEMM with its own alpha (exact; one GEMM for the usual checkpoint whose
+fused shards share their scale, as ModelOpt exports and ``nvfp4-plugin quantize`` writes by default).
+
+Not run on a Blackwell GPU here: tests/test_flashinfer_backend.py checks it on the CPU against an
+emulator of that contract, and the bytes handed over against our reference quantizer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ... import numerics as nx
+from ...weights import Nvfp4Weight
+from ..base import Backend
+
+ENV_MM_BACKEND = "NVFP4_PLUGIN_FLASHINFER_MM_BACKEND"
+MM_BACKENDS = ("cutlass", "cudnn")
+
+
+def flashinfer_module():
+    """``flashinfer`` if importable with ``mm_fp4``, else None (tests put an emulator here)."""
+    try:
+        import flashinfer
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+    return flashinfer if hasattr(flashinfer, "mm_fp4") else None
+
+
+def mm_backend() -> str:
+    be = os.environ.get(ENV_MM_BACKEND, "cutlass")
+    if be not in MM_BACKENDS:
+        raise ValueError(f"{ENV_MM_BACKEND}={be!r}: expected one of {MM_BACKENDS}")
+    return be
+
+
+def row_runs(global_scale: torch.Tensor) -> list[tuple[int, int]]:
+    """``[(first row, end row)]`` of the runs of equal encode global scale (load time, on the host)."""
+    gs = global_scale.detach().float().cpu().tolist()
+    runs, start = [], 0
+    for i in range(1, len(gs) + 1):
+        if i == len(gs) or gs[i] != gs[start]:
+            runs.append((start, i))
+            start = i
+    return runs
+
+
+class FlashInferLinear(Backend):
+    name = "flashinfer_fp4"
+    archs = ((10, 0), (10, 3))
+    family = "scaled_fp4_quant + flashinfer mm_fp4"
+
+    @classmethod
+    def unsupported_reason(cls, device, capability=None):
+        reason = super().unsupported_reason(device, capability)
+        if reason is None and flashinfer_module() is None:
+            reason = "flashinfer (with mm_fp4) is not importable: pip install 'nvfp4-plugin[blackwell]'"
+        return reason
+
+    @classmethod
+    def cannot_implement(cls, spec):
+        if spec.act_dtype not in (torch.bfloat16, torch.float16):
+            return f"activations must be bf16 or fp16, got {spec.act_dtype}"
+        if spec.mode != "w4a4":
+            return ("a weight-only checkpoint (no activation scales): mm_fp4 multiplies NVFP4 activations; use a "
+                    "calibrated checkpoint")
+        if spec.k % 32 or spec.n % 8:
+            return f"mm_fp4 needs K % 32 == 0 and N % 8 == 0 (16-byte rows), got N={spec.n} K={spec.k}"
+        return None
+
+    @classmethod
+    def families(cls, spec, max_tokens, **kw):
+        return [(1, max_tokens, f"{cls.family} ({mm_backend()})")]
+
+    def prepare(self, spec, weight: Nvfp4Weight, input_global_scale):
+        in_gs = input_global_scale.reshape(()).float()
+        t = {"input_global_scale": in_gs.reshape(1).contiguous()}
+        runs = row_runs(weight.global_scale)
+        for i, (a, b) in enumerate(runs):
+            t[f"w{i}"] = weight.packed[a:b].contiguous()                                   # [n, K/2] row-major
+            t[f"sf{i}"] = nx.swizzle_blockscale(weight.block_scale[a:b].contiguous())       # [n_pad, kb_pad]
+            t[f"alpha{i}"] = (1.0 / (in_gs * weight.global_scale[a].float())).reshape(1).contiguous()
+        return t, (tuple(runs), spec.n, spec.k, mm_backend())
+
+    def apply(self, t, meta, x, bias=None):
+        from ... import ops
+
+        runs, n, k, be = meta
+        fi = flashinfer_module()
+        x2 = x.reshape(-1, k)
+        q, s = ops.scaled_fp4_quant(x2, t["input_global_scale"], swizzle=True)
+        outs = [fi.mm_fp4(q, t[f"w{i}"].T, s, t[f"sf{i}"].T, t[f"alpha{i}"], x.dtype, backend=be)
+                for i in range(len(runs))]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], n)
