@@ -10,7 +10,7 @@ CORE_REQUIRE := $(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),
 # The engine adapters are tested against the real vLLM and SGLang, both in one venv (see
 # tests/engines/requirements-engines.txt for what is left out and why).
 ENGINES_VENV ?= .venv-engines
-ENGINES_SPEC ?= vllm==0.26.0 sglang==0.5.17
+ENGINES_SPEC ?= vllm==0.26.0 sglang==0.5.17 flashinfer-python==0.6.14
 # The engines pin torch 2.11.0; on this CPU-only machine the release that lies on its disk stands in
 # (the adapters only touch the engines' Python layers). SGLang imports torchvision at start-up, and
 # PyPI has no CPU torchvision for x86_64, so this is a CUDA build of torch (it runs on the CPU too).
@@ -59,7 +59,7 @@ test-core: $(VENV)/.installed
 test-engines: test-vllm test-sglang
 
 test-vllm: $(ENGINES_VENV)/.installed
-	NVFP4_TEST_REQUIRE=vllm $(ENGINES_VENV)/bin/python -m pytest -q -m "not gpu and not sm100" tests/engines/test_vllm_*.py $(PYTEST_ARGS); rc=$$?; \
+	NVFP4_TEST_REQUIRE=vllm,flashinfer $(ENGINES_VENV)/bin/python -m pytest -q -m "not gpu and not sm100" tests/engines/test_vllm_*.py $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 test-sglang: $(ENGINES_VENV)/.installed
