@@ -18,7 +18,7 @@ ENGINES_TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 # No wheel cache: the CI machine's disk is small.
 PIP_INSTALL = python -m pip install -q --no-cache-dir
 
-.PHONY: demo info test test-core test-engines test-vllm test-sglang test-gpu clean
+.PHONY: demo info test test-core test-engines test-vllm test-sglang test-image test-gpu clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -48,7 +48,7 @@ $(ENGINES_VENV)/.installed: pyproject.toml Makefile tests/engines/requirements-e
 	touch $@
 
 # The whole CPU test suite (what CI runs). pytest exit code 5 = "no tests collected" is not a failure.
-test: test-core test-engines
+test: test-core test-engines test-image
 
 test-core: $(VENV)/.installed
 	NVFP4_TEST_REQUIRE=$(CORE_REQUIRE) $(VENV)/bin/python -m pytest -q -m "not gpu and not sm100" --ignore=tests/engines $(PYTEST_ARGS); rc=$$?; \
@@ -65,6 +65,16 @@ test-vllm: $(ENGINES_VENV)/.installed
 test-sglang: $(ENGINES_VENV)/.installed
 	NVFP4_TEST_REQUIRE=sglang $(ENGINES_VENV)/bin/python -m pytest -q -m "not gpu and not sm100" tests/engines/test_sglang_*.py $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+
+# The serving image without Docker: hadolint on the Dockerfile, then its build script for real: the
+# extension for sm_90a / sm_100a / sm_103a against the engines venv's CUDA torch, checked with
+# cuobjdump (the test extras' wheel) and `info --capability X.Y --compile`.
+IMAGE_BUILD_DIR ?= /tmp/nvfp4-image-build
+test-image: $(VENV)/.installed $(ENGINES_VENV)/.installed
+	$(VENV)/bin/hadolint Dockerfile
+	rm -rf $(IMAGE_BUILD_DIR)
+	CUOBJDUMP=$$($(VENV)/bin/python -c 'import nvidia, pathlib; print(next(str(c) for b in nvidia.__path__ for c in pathlib.Path(b).glob("*/bin/cuobjdump")))') \
+	PYTHON=$(ENGINES_VENV)/bin/python MAX_JOBS=2 bash docker/build.sh --target $(IMAGE_BUILD_DIR)
 
 # GPU tests, on the GPU machine, with its system python (torch + triton preinstalled there).
 test-gpu:

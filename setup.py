@@ -12,6 +12,7 @@ Environment:
     NVFP4_PLUGIN_CUDA_ARCHS   ";"-separated targets, default "9.0a;10.0a;10.3a" (arch-specific: the
                               kernels use sm_90a / sm_100a / sm_103a instructions).
     NVFP4_PLUGIN_SKIP_CUDA=1  never build the extension.
+    NVFP4_PLUGIN_REQUIRE_EXT_BUILD=1  fail instead of skipping it (the serving image's docker/build.sh).
     MAX_JOBS                  parallel compile jobs (torch's BuildExtension, with ninja).
 """
 
@@ -34,6 +35,14 @@ def _log(msg: str) -> None:
     print(f"nvfp4-plugin setup: {msg}", file=sys.stderr, flush=True)
 
 
+def _skip(msg: str):
+    """No CUDA extension: say why, or stop where it is required."""
+    if os.environ.get("NVFP4_PLUGIN_REQUIRE_EXT_BUILD", "") not in ("", "0"):
+        raise SystemExit(f"nvfp4-plugin setup: NVFP4_PLUGIN_REQUIRE_EXT_BUILD is set but {msg}")
+    _log(msg)
+    return [], {}
+
+
 def parse_archs(spec: str) -> list[tuple[str, str]]:
     """"9.0a;10.0a" -> [("90a", "sm_90a"), ("100a", "sm_100a")]."""
     out = []
@@ -53,22 +62,21 @@ def parse_archs(spec: str) -> list[tuple[str, str]]:
 def cuda_extension():
     """(ext_modules, cmdclass) for the CUDA build, or ([], {}) with the reason logged."""
     if os.environ.get("NVFP4_PLUGIN_SKIP_CUDA", "") not in ("", "0"):
-        _log("NVFP4_PLUGIN_SKIP_CUDA is set: building without the CUDA extension")
-        return [], {}
+        return _skip("NVFP4_PLUGIN_SKIP_CUDA is set: building without the CUDA extension")
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
     except Exception as exc:  # no torch in an isolated build environment, or a broken install
-        _log(f"torch is not importable here ({type(exc).__name__}: {exc}); building without the CUDA extension "
-             "(use --no-build-isolation with a CUDA build of torch to build it)")
-        return [], {}
+        return _skip(f"torch is not importable here ({type(exc).__name__}: {exc}); building without the CUDA "
+                     "extension (use --no-build-isolation with a CUDA build of torch to build it)")
     if torch.version.cuda is None:
-        _log(f"torch {torch.__version__} is a CPU build: building without the CUDA extension")
-        return [], {}
+        return _skip(f"torch {torch.__version__} is a CPU build: building without the CUDA extension")
     if CUDA_HOME is None:
-        _log("no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH): building without the CUDA extension")
-        return [], {}
+        return _skip("no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH): building without the CUDA extension")
     archs = parse_archs(os.environ.get("NVFP4_PLUGIN_CUDA_ARCHS", DEFAULT_ARCHS))
+    # torch's headers need C++20 from torch 2.14 on; C++17 before (the engines' torch 2.11)
+    major_minor = tuple(int(v) for v in re.findall(r"\d+", torch.__version__)[:2])
+    std = "c++20" if major_minor >= (2, 14) else "c++17"
     gencode = [f"-gencode=arch=compute_{num},code={sm}" for num, sm in archs]
     built = "+".join(sm for _, sm in archs)
     define = f"-DNVFP4_BUILT_ARCHS={built}"  # tokens, stringified in bindings.cpp (no quoting issues)
@@ -79,7 +87,8 @@ def cuda_extension():
         name="nvfp4_plugin._C",
         sources=CSRC_SOURCES,
         include_dirs=[os.path.join(root, "csrc")],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17", define], "nvcc": [*NVCC_FLAGS, *gencode]},
+        extra_compile_args={"cxx": ["-O3", f"-std={std}", define],
+                            "nvcc": [f if f != "-std=c++17" else f"-std={std}" for f in NVCC_FLAGS] + gencode},
     )
     return [ext], {"build_ext": BuildExtension}
 
