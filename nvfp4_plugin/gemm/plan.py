@@ -13,7 +13,7 @@ import torch
 
 from . import api
 from .layout import HopperW4Layout
-from .select import W4Config, _select, size_ranges
+from .select import W4Config, _select, merge_runs, size_ranges
 
 
 def _gluon_mod():
@@ -72,14 +72,7 @@ def family(variant: tuple) -> str:
 
 def families(ranges: list[tuple[int, int, tuple]]) -> list[tuple[int, int, str]]:
     """Merge variant ranges into kernel-family ranges."""
-    out: list[tuple[int, int, str]] = []
-    for lo, hi, v in ranges:
-        f = family(v)
-        if out and out[-1][2] == f:
-            out[-1] = (out[-1][0], hi, f)
-        else:
-            out.append((lo, hi, f))
-    return out
+    return merge_runs((lo, hi, family(v)) for lo, hi, v in ranges)
 
 
 def compile_variant(variant: tuple, capability: tuple[int, int], *, moe_proj: str | None = None,

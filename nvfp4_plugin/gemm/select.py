@@ -329,16 +329,20 @@ def first_sizes(key, max_size: int) -> list[int]:
     return out
 
 
+def merge_runs(runs) -> list[tuple[int, int, object]]:
+    """Join adjacent ``(first, last, key)`` runs of equal key."""
+    out: list[tuple[int, int, object]] = []
+    for lo, hi, kk in runs:
+        if out and out[-1][2] == kk:
+            out[-1] = (out[-1][0], hi, kk)
+        else:
+            out.append((lo, hi, kk))
+    return out
+
+
 def size_ranges(key, max_size: int) -> list[tuple[int, int, object]]:
     """``(first, last, key)`` runs of equal ``key(size)`` over ``1..max_size``, ascending."""
-    out: list[tuple[int, int, object]] = []
-    for size in range(1, max(1, int(max_size)) + 1):
-        kk = key(size)
-        if out and out[-1][2] == kk:
-            out[-1] = (out[-1][0], size, kk)
-        else:
-            out.append((size, size, kk))
-    return out
+    return merge_runs((size, size, key(size)) for size in range(1, max(1, int(max_size)) + 1))
 
 
 def config_fn(kind: str, n: int, k: int, e: int = 1, device: torch.device | None = None):
