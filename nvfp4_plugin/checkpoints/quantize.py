@@ -273,9 +273,45 @@ class _Quantizer:
         return self.fn(x, gs, swizzle=False)
 
 
+class _MseQuantizer:
+    """``--method mse``: the Triton search on CUDA tensors (checked once against the torch search on the
+    first rows of the first tensor of a run: on a mismatch the run goes on with the torch search and
+    says so), the torch search elsewhere."""
+
+    CHECK_ROWS = 256
+
+    def __init__(self):
+        self.fast: bool | None = None
+
+    def __call__(self, x: torch.Tensor, gs: torch.Tensor, col_weight: torch.Tensor | None):
+        from .scale_search import quantize_with_scales, search_block_scales
+
+        if x.is_cuda and self.fast is None:
+            try:
+                from ..triton.scale_search import search_block_scales  # noqa: F401
+            except ImportError as exc:             # no Triton: the torch search (slow on large models)
+                logger.warning("nvfp4_plugin: quantize: Triton unavailable (%s); mse uses the torch search", exc)
+                self.fast = False
+        if x.is_cuda and self.fast is not False:
+            from ..triton.scale_search import search_block_scales as fast
+
+            scales = fast(x, gs, col_weight=col_weight)
+            if self.fast is None:
+                n = min(self.CHECK_ROWS, x.shape[0])
+                ref = search_block_scales(x[:n].float(), gs, col_weight=col_weight)
+                self.fast = torch.equal(scales[:n].view(torch.uint8), ref.view(torch.uint8))
+                if not self.fast:
+                    logger.warning("nvfp4_plugin: quantize: the Triton mse scale search disagrees with the torch "
+                                   "search on %s; using the torch search for this run", x.device)
+                    scales = search_block_scales(x.float(), gs, col_weight=col_weight)
+        else:
+            scales = search_block_scales(x.float(), gs, col_weight=col_weight)
+        return quantize_with_scales(x, gs, scales)
+
+
 def _quantize_group(group: QuantGroup, tensors, files: CheckpointFiles, device, options: QuantizeOptions,
                     quant_algo: str, input_amax: dict[str, float], writer: ShardedWriter, quantizer,
-                    moments: dict[str, torch.Tensor] | None = None) -> None:
+                    moments: dict[str, torch.Tensor] | None = None, mse_quantizer=None) -> None:
     spec = F.spec(options.format)
     xs = []
     amaxes = []
@@ -296,10 +332,8 @@ def _quantize_group(group: QuantGroup, tensors, files: CheckpointFiles, device, 
         in_gs = F.global_scale_from_amax_exact(max(input_amax[m] for m in group.modules))
     for m, x, gs in zip(group.modules, xs, scales):
         if options.method == "mse":
-            from .scale_search import quantize_mse
-
             w = (moments or {}).get(m)
-            packed, block = quantize_mse(x, gs.to(device), col_weight=None if w is None else w.to(device))
+            packed, block = mse_quantizer(x, gs.to(device), None if w is None else w.to(device))
         else:
             packed, block = quantizer(x, gs.reshape(1).to(device))
         writer.write(f"{m}.{spec.suffix(F.ROLE_WEIGHT)}", packed.cpu())
@@ -383,6 +417,7 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
                     bar = tqdm(total=sum(i.nbytes for i in files.tensors.values()), unit="B", unit_scale=True,
                                desc=f"quantize ({device.type})")
                 quantizer = _Quantizer()
+                mse_quantizer = _MseQuantizer()
                 # Read each group's source tensors two groups ahead, on a background thread.
                 reader = ReadAhead(plan.items,
                                    lambda it: [files.read(w) for w in it[1].weights()] if it[0] == "quant" else None)
@@ -392,7 +427,7 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
                         done = files.info(x).nbytes
                     else:
                         _quantize_group(x, data, files, device, options, quant_algo, input_amax, writer, quantizer,
-                                        options_moments)
+                                        options_moments, mse_quantizer)
                         done = sum(t.numel() * t.element_size() for t in data)
                     if bar is not None:
                         bar.update(done)

@@ -53,10 +53,13 @@ def _block_error(blocks: torch.Tensor, s: torch.Tensor, inv_gs: torch.Tensor, co
     out_scale = torch.where(s == 0, torch.zeros_like(denom), 1.0 / denom)
     codes = nx.e2m1_encode((blocks * out_scale[..., None]).clamp(-nx.E2M1_MAX, nx.E2M1_MAX))
     deq = nx.e2m1_decode(codes) * s[..., None] * inv_gs[..., None]
-    err = (deq - blocks) ** 2
+    err = deq - blocks
+    err = err * err
     if col_w is not None:
         err = err * col_w
-    return err.sum(-1)
+    # fp64 sum: exact enough that the order of the 16 terms never matters (the Triton twin sums in
+    # another order and must pick the same scale)
+    return err.double().sum(-1)
 
 
 def search_block_scales(x: torch.Tensor, global_scale: torch.Tensor, *, col_weight: torch.Tensor | None = None,
