@@ -1,0 +1,37 @@
+"""On the H200 (sm_90, where FlashInfer's FP4 quantizer builds): FlashInfer's ``fp4_quantize`` against our
+``scaled_fp4_quant``, byte for byte, on the layout our Blackwell backend hands to ``mm_fp4`` (E2M1 codes
+``[M, K/2]``, E4M3 block scales in the 128x4-swizzled layout, encode-convention global scale).
+Needs flashinfer-python on the path (the vLLM bundle carries 0.6.14; its JIT build needs nvcc)."""
+
+import pytest
+import torch
+
+from nvfp4_plugin import numerics as nx
+from nvfp4_plugin import ops
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(1, 64), (37, 512), (128, 4096), (300, 7168), (1000, 2048)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flashinfer_fp4_quantize_equals_ours(dtype):
+    fi = pytest.importorskip("flashinfer")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    report = []
+    for m, k in SHAPES:
+        for scale in (1.0, 1e-3, 300.0):
+            x = (torch.randn(m, k, device="cuda", generator=g) * scale).to(dtype)
+            x[0, :16] = 0
+            gs = nx.tensor_global_scale(x.float()).reshape(1)
+            q_fi, s_fi = fi.fp4_quantize(x, gs, 16, False, True)
+            q, s = ops.scaled_fp4_quant(x, gs, swizzle=True)
+            q_fi = q_fi.view(torch.uint8).reshape(q.shape)
+            s_fi = s_fi.view(torch.uint8).reshape(-1)[: s.numel()].reshape(s.shape)
+            dq = int((q_fi != q).sum())
+            ds = int((s_fi != s.view(torch.uint8)).sum())
+            report.append(f"{m}x{k} scale {scale}: {dq} of {q.numel()} code bytes, {ds} of {s.numel()} scale bytes differ")
+    print("\n".join(report))
+    assert all(" 0 of " in r.split(":")[1].split(",")[0] and ", 0 of " in r for r in report), "\n".join(report)
