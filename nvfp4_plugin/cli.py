@@ -297,10 +297,10 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=("w4a16", "w4a4"), help="with --capability: plan for a weight-only (w4a16) or "
                                                              "an activation-scaled (w4a4) checkpoint; default: that "
                                                              "GPU's default mode (w4a4 on sm_100+)")
-    p.add_argument("--linear", action="append", metavar="NxK", type=lambda t: _shape(t, 2, "--linear"), help="dense layer shape (repeatable; default: the "
-                                                                    "Llama-3-8B and Qwen3-30B-A3B projections)")
-    p.add_argument("--moe", action="append", metavar="E,H,I,TOPK", type=lambda t: _shape(t, 4, "--moe"), help="fused-MoE shape (repeatable; default "
-                                                                         "128,2048,768,8)")
+    p.add_argument("--linear", action="append", metavar="NxK", type=lambda t: _shape(t, 2, "--linear"),
+                   help="dense layer shape (repeatable; default: the Llama-3-8B and Qwen3-30B-A3B projections)")
+    p.add_argument("--moe", action="append", metavar="E,H,I,TOPK", type=lambda t: _shape(t, 4, "--moe"),
+                   help="fused-MoE shape (repeatable; default 128,2048,768,8)")
     p = sub.add_parser("demo", help="info, then quantize/dequantize a random matrix")
     p.add_argument("--m", type=int, default=256)
     p.add_argument("--k", type=int, default=4096)

@@ -45,7 +45,7 @@ def _truth(x, w: Nvfp4Weight, in_gs, bias=None):
     q, s = reference.scaled_fp4_quant(x, in_gs.reshape(1), swizzle=False)
     xa = (nx.e2m1_decode(nx.unpack_fp4(q)).reshape(x.shape[0], -1, 16) * s.float()[..., None]).reshape(x.shape)
     xa = xa.double() / in_gs.double()
-    y = xa @ w.dequantize(torch.float64).T if hasattr(w, "dequantize") else None
+    y = xa @ w.dequantize(torch.float64).T
     return y + bias.double() if bias is not None else y
 
 

@@ -99,7 +99,7 @@ def perplexity(model_dir, text: str, *, seq_len: int = 512, device: str = "cpu",
             if activations == "auto":
                 with open_checkpoint(src, check_block_scales=False) as ck:
                     if ck.config.activations_quantized:
-                        act_scales = {m: ck.load_linear(m).input_scale for m in ck.modules}
+                        act_scales = {m: ck.load_input_scale(m) for m in ck.modules}
         tok = AutoTokenizer.from_pretrained(src)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     handles = _act_quant_hooks(model, act_scales) if act_scales else []

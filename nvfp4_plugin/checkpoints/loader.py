@@ -527,11 +527,19 @@ class Nvfp4Checkpoint:
         bs = self.files.read(qm.tensors[F.ROLE_BLOCK_SCALE].name)
         gs = self.files.read(qm.tensors[F.ROLE_GLOBAL_SCALE].name)
         w = normalize_linear(packed, bs, gs, format=fmt, name=module)
-        inp = None
-        if self.config.activations_quantized:
-            inp = normalize_input_scale(self.files.read(qm.tensors[F.ROLE_INPUT_SCALE].name), format=fmt,
-                                        name=qm.tensors[F.ROLE_INPUT_SCALE].name)
+        inp = self.load_input_scale(module)
         return CanonicalLinear(module, w.to(device), None if inp is None else inp.to(device))
+
+    def load_input_scale(self, module: str) -> torch.Tensor | None:
+        """The activation encode scale (fp32 ``[]``) of one quantized module; None for weight-only files.
+        Reads that one tensor only."""
+        qm = self.modules.get(module)
+        if qm is None:
+            raise KeyError(f"{module!r} is not a quantized module of {self.path}")
+        if not self.config.activations_quantized:
+            return None
+        name = qm.tensors[F.ROLE_INPUT_SCALE].name
+        return normalize_input_scale(self.files.read(name), format=self.config.format, name=name)
 
     def load_fused(self, modules, device="cpu") -> CanonicalLinear:
         """Several modules fused along N (e.g. q/k/v), as an engine stores them. Exact per-row scales."""

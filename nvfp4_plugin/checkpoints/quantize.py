@@ -286,25 +286,24 @@ class _MseQuantizer:
     def __call__(self, x: torch.Tensor, gs: torch.Tensor, col_weight: torch.Tensor | None):
         from .scale_search import quantize_with_scales, search_block_scales
 
-        if x.is_cuda and self.fast is None:
+        scales = None
+        if x.is_cuda and self.fast is not False:
             try:
-                from ..triton.scale_search import search_block_scales  # noqa: F401
+                from ..triton.scale_search import search_block_scales as fast
             except ImportError as exc:             # no Triton: the torch search (slow on large models)
                 logger.warning("nvfp4_plugin: quantize: Triton unavailable (%s); mse uses the torch search", exc)
                 self.fast = False
-        if x.is_cuda and self.fast is not False:
-            from ..triton.scale_search import search_block_scales as fast
-
-            scales = fast(x, gs, col_weight=col_weight)
-            if self.fast is None:
-                n = min(self.CHECK_ROWS, x.shape[0])
-                ref = search_block_scales(x[:n].float(), gs, col_weight=col_weight)
-                self.fast = torch.equal(scales[:n].view(torch.uint8), ref.view(torch.uint8))
-                if not self.fast:
-                    logger.warning("nvfp4_plugin: quantize: the Triton mse scale search disagrees with the torch "
-                                   "search on %s; using the torch search for this run", x.device)
-                    scales = search_block_scales(x.float(), gs, col_weight=col_weight)
-        else:
+            else:
+                scales = fast(x, gs, col_weight=col_weight)
+                if self.fast is None:
+                    n = min(self.CHECK_ROWS, x.shape[0])
+                    ref = search_block_scales(x[:n].float(), gs, col_weight=col_weight)
+                    self.fast = torch.equal(scales[:n].view(torch.uint8), ref.view(torch.uint8))
+                    if not self.fast:
+                        logger.warning("nvfp4_plugin: quantize: the Triton mse scale search disagrees with the "
+                                       "torch search on %s; using the torch search for this run", x.device)
+                        scales = None
+        if scales is None:
             scales = search_block_scales(x.float(), gs, col_weight=col_weight)
         return quantize_with_scales(x, gs, scales)
 
@@ -332,7 +331,7 @@ def _quantize_group(group: QuantGroup, tensors, files: CheckpointFiles, device, 
         in_gs = F.global_scale_from_amax_exact(max(input_amax[m] for m in group.modules))
     for m, x, gs in zip(group.modules, xs, scales):
         if options.method == "mse":
-            w = (moments or {}).get(m)
+            w = moments.get(m) if moments else None
             packed, block = mse_quantizer(x, gs.to(device), None if w is None else w.to(device))
         else:
             packed, block = quantizer(x, gs.reshape(1).to(device))
@@ -398,7 +397,6 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
         if filled:
             logger.warning("nvfp4_plugin: %d experts received no calibration tokens; they use their layer's "
                            "largest input amax", len(filled))
-    options_moments = moments or {}
     t_cal = time.time() - t_cal
 
     writer = None
@@ -427,7 +425,7 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
                         done = files.info(x).nbytes
                     else:
                         _quantize_group(x, data, files, device, options, quant_algo, input_amax, writer, quantizer,
-                                        options_moments, mse_quantizer)
+                                        moments, mse_quantizer)
                         done = sum(t.numel() * t.element_size() for t in data)
                     if bar is not None:
                         bar.update(done)

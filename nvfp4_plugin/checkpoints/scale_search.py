@@ -47,12 +47,21 @@ def _order(window: int) -> torch.Tensor:
     return torch.tensor(offs, dtype=torch.long)
 
 
-def _block_error(blocks: torch.Tensor, s: torch.Tensor, inv_gs: torch.Tensor, col_w) -> torch.Tensor:
-    """Squared error of each block quantized with stored scale values ``s`` (broadcast over candidates)."""
+def _inverse_or_zero(gs: torch.Tensor) -> torch.Tensor:
+    return torch.where(gs == 0, torch.zeros_like(gs), 1.0 / gs)
+
+
+def _encode(blocks: torch.Tensor, s: torch.Tensor, inv_gs: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes of ``blocks [..., 16]`` under stored scale values ``s [...]``: the recipe's own
+    ``out_scale`` (:func:`nvfp4_plugin.numerics.nvfp4_block_scales`), clamp, round to nearest even."""
     denom = s * inv_gs
     out_scale = torch.where(s == 0, torch.zeros_like(denom), 1.0 / denom)
-    codes = nx.e2m1_encode((blocks * out_scale[..., None]).clamp(-nx.E2M1_MAX, nx.E2M1_MAX))
-    deq = nx.e2m1_decode(codes) * s[..., None] * inv_gs[..., None]
+    return nx.e2m1_encode((blocks * out_scale[..., None]).clamp(-nx.E2M1_MAX, nx.E2M1_MAX))
+
+
+def _block_error(blocks: torch.Tensor, s: torch.Tensor, inv_gs: torch.Tensor, col_w) -> torch.Tensor:
+    """Squared error of each block quantized with stored scale values ``s`` (broadcast over candidates)."""
+    deq = nx.e2m1_decode(_encode(blocks, s, inv_gs)) * s[..., None] * inv_gs[..., None]
     err = deq - blocks
     err = err * err
     if col_w is not None:
@@ -75,7 +84,7 @@ def search_block_scales(x: torch.Tensor, global_scale: torch.Tensor, *, col_weig
     nb = k // nx.NVFP4_BLOCK_SIZE
     blocks = x.reshape(-1, nb, nx.NVFP4_BLOCK_SIZE).float()
     gs = global_scale.float().reshape(())
-    inv_gs = torch.where(gs == 0, torch.zeros_like(gs), 1.0 / gs)
+    inv_gs = _inverse_or_zero(gs)
     table = _e4m3_positive().to(x.device)
     cw = None if col_weight is None else col_weight.float().to(x.device).reshape(nb, nx.NVFP4_BLOCK_SIZE)
     rows = blocks.shape[0]
@@ -108,12 +117,7 @@ def quantize_with_scales(x: torch.Tensor, global_scale: torch.Tensor, stored: to
     as the round-to-nearest recipe encodes under its own."""
     *lead, k = x.shape
     blocks = x.reshape(*lead, k // nx.NVFP4_BLOCK_SIZE, nx.NVFP4_BLOCK_SIZE).float()
-    gs = global_scale.float().reshape(())
-    inv_gs = torch.where(gs == 0, torch.zeros_like(gs), 1.0 / gs)
-    s = stored.float()
-    denom = s * inv_gs
-    out_scale = torch.where(s == 0, torch.zeros_like(denom), 1.0 / denom)
-    codes = nx.e2m1_encode((blocks * out_scale[..., None]).clamp(-nx.E2M1_MAX, nx.E2M1_MAX))
+    codes = _encode(blocks, stored.float(), _inverse_or_zero(global_scale.float().reshape(())))
     return nx.pack_fp4(codes.reshape(*lead, k)), stored
 
 

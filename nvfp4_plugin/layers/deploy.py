@@ -30,20 +30,26 @@ class Report:
     failures: list[str] = field(default_factory=list)
 
 
-def _variants(cls, spec, max_tokens: int, top_k: int, dev_key: str, sms: int):
-    """(variant, moe projection) pairs a hopper_triton layer of ``spec`` can launch; [] for torch-only backends."""
+def _variant_ranges(cls, spec, max_tokens: int, top_k: int, dev_key: str, sms: int):
+    """``(first, last, variant)`` token ranges of what a ``hopper_triton`` layer of ``spec`` launches (MoE:
+    ``(up, down)`` pairs); [] for backends whose kernels are torch operations or an external library."""
     if cls.name != "hopper_triton":
         return []
     from ..gemm import plan
 
     if isinstance(spec, LinearSpec):
-        return [(v, None) for _, _, v in plan.linear_variants(spec.n, spec.k, max_tokens, dev_key=dev_key, sms=sms,
-                                                               act_dtype=spec.act_dtype)]
-    out = []
-    for _, _, (up, down) in plan.fused_moe_variants(spec.num_experts, spec.hidden, spec.intermediate, top_k,
-                                                     max_tokens, dev_key=dev_key, sms=sms):
-        out += [(up, "up"), (down, "down")]
-    return out
+        return plan.linear_variants(spec.n, spec.k, max_tokens, dev_key=dev_key, sms=sms, act_dtype=spec.act_dtype)
+    return plan.fused_moe_variants(spec.num_experts, spec.hidden, spec.intermediate, top_k, max_tokens,
+                                   dev_key=dev_key, sms=sms)
+
+
+def _families(cls, spec, ranges, max_tokens: int, top_k: int, dev_key: str, sms: int):
+    """Kernel-family ranges: from the variant ranges where there are some (one scan of the token counts)."""
+    if ranges:
+        from ..gemm import plan
+
+        return plan.families(ranges)
+    return cls.families(spec, max_tokens, top_k=top_k, dev_key=dev_key, sms=sms)
 
 
 def plan(capability: tuple[int, int], *, device_name: str | None = None, max_tokens: int = 16384,
@@ -68,25 +74,29 @@ def plan(capability: tuple[int, int], *, device_name: str | None = None, max_tok
     for n, k in linear:
         spec = LinearSpec(n, k, act_dtype, mode, device)
         cls, skipped = choose_backend("linear", LINEAR_BACKENDS, spec, ENV_LINEAR_BACKEND, capability)
-        fams = cls.families(spec, max_tokens, dev_key=dev_key, sms=sms)
+        ranges = _variant_ranges(cls, spec, max_tokens, 1, dev_key, sms)
         rep.lines.append(f"linear N={n} K={k}: backend {cls.name}"
                          + "".join(f" (skipped {name}: {why})" for name, why in skipped))
+        fams = _families(cls, spec, ranges, max_tokens, 1, dev_key, sms)
         rep.lines.append(f"  tokens {describe_families(fams)}")
-        for v, proj in _variants(cls, spec, max_tokens, 1, dev_key, sms):
-            todo.setdefault((v, proj, 1), f"linear N={n} K={k}")
+        for _, _, v in ranges:
+            todo.setdefault((v, None, 1), f"linear N={n} K={k}")
     for e, h, i, top_k in moe:
         spec = MoeSpec(e, h, i, act_dtype, mode, device)
         cls, skipped = choose_backend("moe", MOE_BACKENDS, spec, ENV_MOE_BACKEND, capability)
-        fams = cls.families(spec, max_tokens, top_k=top_k, dev_key=dev_key, sms=sms)
+        ranges = _variant_ranges(cls, spec, max_tokens, top_k, dev_key, sms)
+        fams = _families(cls, spec, ranges, max_tokens, top_k, dev_key, sms)
         rep.lines.append(f"fused MoE E={e} H={h} I={i} top_k={top_k}: backend {cls.name}"
                          + "".join(f" (skipped {name}: {why})" for name, why in skipped))
         rep.lines.append(f"  tokens {describe_families(fams)}")
-        for v, proj in _variants(cls, spec, max_tokens, top_k, dev_key, sms):
-            todo.setdefault((v, proj, e), f"fused MoE E={e} H={h} I={i} ({proj})")
+        for _, _, (up, down) in ranges:
+            todo.setdefault((up, "up", e), f"fused MoE E={e} H={h} I={i} (up)")
+            todo.setdefault((down, "down", e), f"fused MoE E={e} H={h} I={i} (down)")
     if not compile:
         return rep
     if not todo:
-        rep.lines.append(f"compile: nothing to compile for {sm(capability)}a (the chosen backends run torch operations)")
+        rep.lines.append(f"compile: nothing to compile for {sm(capability)}a (the chosen backends run torch "
+                         "operations)")
         return rep
     from ..gemm import plan as gplan
 

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..checkpoints.scale_search import WINDOW
 from . import _runtime as rt
 from ._jit_numerics import e2m1_code, e2m1_magnitude, f32_bits, bits_f32, inverse_or_zero, nvfp4_block_scales
 
@@ -86,7 +87,7 @@ def _mse_scale_kernel(x_ptr, w_ptr, out_ptr, gs_ptr, n_blocks, nb_row, HAS_W: tl
 
 
 def search_block_scales(x: torch.Tensor, global_scale: torch.Tensor, *, col_weight: torch.Tensor | None = None,
-                        window: int = 16) -> torch.Tensor:
+                        window: int = WINDOW) -> torch.Tensor:
     """float8_e4m3fn block scales ``[..., K/16]`` of :func:`nvfp4_plugin.checkpoints.scale_search.search_block_scales`."""
     rt.check_device("x", x)
     *lead, k = x.shape
