@@ -8,12 +8,14 @@ layers built inside see ``size`` ranks through SGLang's own test override of the
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import importlib
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import types
@@ -46,6 +48,7 @@ def start():
     from sglang.srt.server_args import ServerArgs
 
     d = tempfile.mkdtemp(prefix="nvfp4_sglang_harness_")
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(TINY_LLAMA, f)
     server_args = ServerArgs(model_path=d, skip_tokenizer_init=True, device="cpu")
@@ -144,7 +147,10 @@ def quantized_checkpoint(arch: str, fmt: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _checkpoint_root() -> str:
-    return tempfile.mkdtemp(prefix="nvfp4_sglang_ckpt_")
+    root = tempfile.mkdtemp(prefix="nvfp4_sglang_ckpt_")
+    # removed when the test process exits: CI shares its disk with whatever else the machine holds
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
 
 
 @contextlib.contextmanager
