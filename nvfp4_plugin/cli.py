@@ -167,7 +167,8 @@ def quantize(args) -> int:
                            calib_texts=read_calibration_file(args.calib_file) if args.calib_file else None,
                            calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
                            per_shard_global_scales=args.per_shard_global_scales, method=args.method,
-                           weights_only=args.weights_only,
+                           weights_only=args.weights_only, gptq_damping=args.gptq_damping,
+                           gptq_block_size=args.gptq_block_size, gptq_act_order=args.gptq_act_order,
                            max_shard_size=args.max_shard_size,
                            overwrite=args.overwrite, progress=not args.quiet)
     rc, report = _write_folder("quantize", args.dst, lambda: quantize_checkpoint(args.src, args.dst, opts),
@@ -331,12 +332,22 @@ def main(argv=None) -> int:
     p.add_argument("--per-shard-global-scales", action="store_true",
                    help="one global scale per tensor instead of one per fused group (q/k/v, gate/up); exact with "
                         "this plugin, lossy with the engines' built-in loaders")
-    p.add_argument("--method", choices=("rtn", "mse"), default="rtn",
+    p.add_argument("--method", choices=("rtn", "mse", "gptq"), default="rtn",
                    help="block scales: rtn = from each 16-value block's maximum (ModelOpt's default); mse = the E4M3 "
                         "scale within two octaves of it with the least squared error, each column weighted by its "
-                        "mean squared calibration input when calibrating (same format, any loader)")
+                        "mean squared calibration input when calibrating; gptq = column-by-column rounding with "
+                        "error compensation from each input's calibration Hessian, block scales by the mse rule "
+                        "(needs calibration) (same format, any loader)")
     p.add_argument("--weights-only", action="store_true",
-                   help="calibrate (for mse's weights) but write W4A16_NVFP4, without activation scales")
+                   help="calibrate (for mse's weights, gptq's Hessians) but write W4A16_NVFP4, without activation "
+                        "scales")
+    p.add_argument("--gptq-damping", type=float, default=0.01,
+                   help="gptq: added to diag(H) as a fraction of its mean (default 0.01)")
+    p.add_argument("--gptq-block-size", type=int, default=128,
+                   help="gptq: columns per lazy update block, a multiple of 16 (default 128)")
+    p.add_argument("--gptq-act-order", action="store_true",
+                   help="gptq: visit columns by decreasing diag(H), block scales fixed up front from the original "
+                        "weights (default: left to right, scales searched on the updated weights)")
     p.add_argument("--max-shard-size", default="5GB", help="output shard size (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists (atomically, at the end)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or info logs")

@@ -119,7 +119,7 @@ def test_mse_checkpoint_is_standard_nvfp4_with_smaller_weight_error(tiny):
             errs[method] = total
     assert errs["mse"] < 0.9 * errs["rtn"], errs
     with pytest.raises(ValueError, match="method: expected one of"):
-        quantize_checkpoint(tiny / "bf16", tiny / "x", method="gptq", progress=False, device="cpu")
+        quantize_checkpoint(tiny / "bf16", tiny / "x", method="awq", progress=False, device="cpu")
 
 
 def test_eval_ppl_cli(tiny, tmp_path):

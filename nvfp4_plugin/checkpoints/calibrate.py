@@ -12,6 +12,12 @@ quantized. Fused expert modules get one hook that splits the tokens by routed ex
 per expert, the amax of its input and of ``act(gate) * up`` (the down projection's input). Experts
 that receive no calibration token are left out; the quantizer gives them their layer's largest
 value.
+
+On request the same pass also collects, per dense module, the mean squared input per column
+(``quantize --method mse``'s weights) and, per distinct module input (:func:`naming.shared_input_key`:
+q/k/v share one, gate/up one, each expert's gate/up one), the Hessian ``X^T X / tokens`` in fp32
+``[K, K]`` on the calibration device (``--method gptq``; memory ``K^2 * 4`` bytes per distinct input of
+the whole model, e.g. 0.35 GB per layer of Qwen2.5-1.5B, whose down projection has K = 8960).
 """
 
 from __future__ import annotations
@@ -199,10 +205,13 @@ def read_calibration_file(path) -> list[str]:
 
 def calibrate_input_amax(src, files: CheckpointFiles, modules, *, device, texts: list[str] | None = None,
                          samples: int = 16, seq_len: int = 512, batch_size: int = 4,
-                         second_moments: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+                         second_moments: dict[str, torch.Tensor] | None = None,
+                         hessians: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
     """``{hub module name: input amax}`` for the requested (to-be-quantized) hub modules. With
     ``second_moments`` (a dict, filled in place): each dense module's mean squared input per column
-    (fp32 ``[K]``, on the CPU), the weights of ``quantize --method mse``'s block error."""
+    (fp32 ``[K]``, on the CPU), the weights of ``quantize --method mse``'s block error. With
+    ``hessians`` (a dict, filled in place): ``{naming.shared_input_key(module): X^T X / tokens}``, fp32
+    ``[K, K]`` on ``device``, for every requested module whose input the pass saw (GPTQ's Hessians)."""
     require("transformers", "calibration", "; or pass --no-calibration for weight-only NVFP4")
     src = Path(src)
     device = torch.device(device)
@@ -225,6 +234,16 @@ def calibrate_input_amax(src, files: CheckpointFiles, modules, *, device, texts:
         prev = sums.get(key)
         sums[key] = [sq, x2.shape[0]] if prev is None else [prev[0] + sq, prev[1] + x2.shape[0]]
 
+    gram: dict[str, list] = {}
+
+    def record_hessian(key: str, x: torch.Tensor) -> None:
+        x2 = torch.nan_to_num(x.reshape(-1, x.shape[-1]).float(), nan=0.0, posinf=0.0, neginf=0.0)
+        prev = gram.get(key)
+        if prev is None:
+            prev = gram[key] = [torch.zeros((x2.shape[1], x2.shape[1]), dtype=torch.float32, device=x2.device), 0]
+        prev[0].addmm_(x2.t(), x2)
+        prev[1] += x2.shape[0]
+
     hooks = []
     expert_prefixes = {}
     for hub_prefix in {naming.parse_expert(m).prefix for m in wanted if naming.parse_expert(m)}:
@@ -235,6 +254,7 @@ def calibrate_input_amax(src, files: CheckpointFiles, modules, *, device, texts:
                 per_expert[ex.expert][ex.role] = m
         expert_prefixes[hub_prefix] = per_expert
 
+    hessian_hooked: set[str] = set()
     for mname, mod in model.named_modules():
         hub = module_map.get(mname)
         if hub is None:
@@ -245,8 +265,15 @@ def calibrate_input_amax(src, files: CheckpointFiles, modules, *, device, texts:
             if second_moments is not None:
                 hooks.append(mod.register_forward_pre_hook(
                     lambda _m, args, _hub=hub: record_moment(_hub, args[0])))
+            key = naming.shared_input_key(hub)
+            if hessians is not None and key not in hessian_hooked:
+                hessian_hooked.add(key)   # the other members of the group read the same tensor
+                hooks.append(mod.register_forward_pre_hook(
+                    lambda _m, args, _key=key: record_hessian(_key, args[0])))
         elif hub in expert_prefixes and hasattr(mod, "gate_up_proj") and hasattr(mod, "down_proj"):
-            hooks.append(mod.register_forward_pre_hook(_expert_hook(expert_prefixes[hub], record), with_kwargs=True))
+            hooks.append(mod.register_forward_pre_hook(
+                _expert_hook(expert_prefixes[hub], record, record_hessian if hessians is not None else None),
+                with_kwargs=True))
     t1 = time.time()
     try:
         with torch.inference_mode():
@@ -258,6 +285,11 @@ def calibrate_input_amax(src, files: CheckpointFiles, modules, *, device, texts:
     out = {k: float(v.item()) for k, v in stats.items()}
     if second_moments is not None:
         second_moments.update({k: (sq / max(n, 1)).cpu() for k, (sq, n) in sums.items()})
+    if hessians is not None:
+        for k in list(gram):
+            h, n = gram.pop(k)
+            hessians[k] = h / max(n, 1)   # one Hessian at a time in two copies, not all of them
+            del h
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -266,7 +298,7 @@ def calibrate_input_amax(src, files: CheckpointFiles, modules, *, device, texts:
     return out
 
 
-def _expert_hook(per_expert: dict[int, dict[str, str]], record):
+def _expert_hook(per_expert: dict[int, dict[str, str]], record, record_hessian=None):
     def hook(mod, args, kwargs):
         x = args[0] if args else kwargs["hidden_states"]
         idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
@@ -282,11 +314,16 @@ def _expert_hook(per_expert: dict[int, dict[str, str]], record):
             for r in ("gate", "up"):
                 if r in roles:
                     record(roles[r], a_in)
+            if record_hessian is not None and ("gate" in roles or "up" in roles):
+                record_hessian(naming.shared_input_key(roles.get("gate") or roles["up"]), xe)
             if "down" in roles:
                 w = mod.gate_up_proj[e]
                 gu = xe @ (w.t() if w.shape[-1] == xe.shape[-1] else w)
                 gate, up = gu.chunk(2, dim=-1)
-                record(roles["down"], _finite_amax(act(gate) * up))
+                down_in = act(gate) * up
+                record(roles["down"], _finite_amax(down_in))
+                if record_hessian is not None:
+                    record_hessian(roles["down"], down_in)
     return hook
 
 

@@ -96,6 +96,14 @@ def fused_group(module: str) -> tuple[str, int, tuple[str, ...]] | None:
     return None
 
 
+def shared_input_key(module: str) -> str:
+    """One name for the modules that read the same input tensor: a fused group's members (q/k/v,
+    gate/up, each expert's gate/up, DeepSeek's q_a/kv_a) share their group key; any other module is
+    its own. Calibration statistics of the input (GPTQ's Hessian) are kept once per key."""
+    g = fused_group(module)
+    return g[0] if g is not None else module
+
+
 def is_embedding(module: str) -> bool:
     return leaf(module) in EMBEDDING_LEAVES
 

@@ -18,6 +18,12 @@ fastest backend on the device, byte-identical to the reference). Global scales a
 ``2688/amax`` moved to the fp32 reciprocal fixed point (:func:`formats.global_scale_from_amax_exact`)
 so both formats load to identical canonical tensors.
 
+Block scales and codes (``--method``): ``rtn`` as above; ``mse`` searches each block's E4M3 scale for the
+least squared error (:mod:`.scale_search`, each column weighted by its mean squared calibration input
+when calibrating); ``gptq`` (:mod:`.gptq`) rounds column by column with second-order error
+compensation from each input's calibration Hessian, block scales by the ``mse`` search on the updated
+weights. All three write the same format under the same global scales.
+
 Activation scales: with calibration (default), ``input_scale`` per linear from the input amax seen
 while running the bf16 model on a small built-in text (or ``--calib-file``), quant_algo NVFP4 (W4A4);
 fused shards share their input, so they get the same value. ``--no-calibration`` writes weight-only
@@ -55,7 +61,7 @@ logger = logging.getLogger("nvfp4_plugin")
 _SOURCE_DTYPES = ("BF16", "F16", "F32")
 
 
-METHODS = ("rtn", "mse")
+METHODS = ("rtn", "mse", "gptq")
 
 
 @dataclass
@@ -70,12 +76,18 @@ class QuantizeOptions:
     calib_seq_len: int = 512
     calib_batch_size: int = 4
     per_shard_global_scales: bool = False
-    #: Block scales: "rtn" (from each block's maximum, ModelOpt's default) or "mse" (searched among the
-    #: E4M3 values near it for the least squared error, checkpoints/scale_search.py). Same format.
+    #: Block scales: "rtn" (from each block's maximum, ModelOpt's default), "mse" (searched among the
+    #: E4M3 values near it for the least squared error, checkpoints/scale_search.py) or "gptq" (error
+    #: compensation with the calibration Hessian, mse block scales; checkpoints/gptq.py). Same format.
     method: str = "rtn"
-    #: Calibrate (mse: weight each column's error by its mean squared input) but write a W4A16
-    #: checkpoint, without activation scales.
+    #: Calibrate (mse: weight each column's error by its mean squared input; gptq: its Hessian) but
+    #: write a W4A16 checkpoint, without activation scales.
     weights_only: bool = False
+    #: gptq: damping as a fraction of mean diag(H); columns per lazy update; visit columns by
+    #: decreasing diag(H) (block scales then fixed up front from the original weights).
+    gptq_damping: float = 0.01
+    gptq_block_size: int = 128
+    gptq_act_order: bool = False
     max_shard_size: int | str = "5GB"
     overwrite: bool = False
     progress: bool = True
@@ -308,9 +320,53 @@ class _MseQuantizer:
         return quantize_with_scales(x, gs, scales)
 
 
+class _GptqQuantizer:
+    """``--method gptq``: one Hessian factorisation per distinct module input (fused shards share it,
+    also when ``--per-shard-global-scales`` quantizes them one by one), each Hessian released once
+    factorised and each factor after the last module reading that input. A module whose input calibration never saw (an expert no token reached)
+    gets the unweighted ``mse`` search instead, counted in ``fallbacks``."""
+
+    def __init__(self, hessians: dict[str, torch.Tensor], modules, settings):
+        self.hessians = hessians
+        self.settings = settings
+        self.users: dict[str, int] = defaultdict(int)
+        for m in modules:
+            self.users[naming.shared_input_key(m)] += 1
+        self.factors: dict[str, object] = {}
+        self.fallbacks: list[str] = []
+
+    def __call__(self, modules: list[str], xs: list[torch.Tensor], gs: torch.Tensor, mse_quantizer):
+        """``[(packed, block scales)]`` for ``xs`` (one fused group's shards, or one module) under ``gs``."""
+        from .gptq import factor_hessian, gptq_quantize
+
+        key = naming.shared_input_key(modules[0])
+        if key not in self.factors:
+            h = self.hessians.pop(key, None)
+            try:
+                self.factors[key] = None if h is None else factor_hessian(h.to(xs[0].device), self.settings, name=key)
+            except ValueError as exc:
+                raise CheckpointError(problem(None, key, str(exc))) from None
+        factor = self.factors[key]
+        self.users[key] -= len(modules)
+        if self.users[key] <= 0:
+            del self.factors[key]
+        if factor is None:
+            self.fallbacks += modules
+            return [mse_quantizer(x, gs, None) for x in xs]
+        # rows are independent given H: the shards of a group go through one column loop
+        res = gptq_quantize(torch.cat(xs) if len(xs) > 1 else xs[0], gs, factor, self.settings)
+        out, r0 = [], 0
+        for x in xs:
+            r1 = r0 + x.shape[0]
+            out.append((res.packed[r0:r1], res.block_scale[r0:r1]))
+            r0 = r1
+        return out
+
+
 def _quantize_group(group: QuantGroup, tensors, files: CheckpointFiles, device, options: QuantizeOptions,
                     quant_algo: str, input_amax: dict[str, float], writer: ShardedWriter, quantizer,
-                    moments: dict[str, torch.Tensor] | None = None, mse_quantizer=None) -> None:
+                    moments: dict[str, torch.Tensor] | None = None, mse_quantizer=None,
+                    gptq_quantizer: _GptqQuantizer | None = None) -> None:
     spec = F.spec(options.format)
     xs = []
     amaxes = []
@@ -329,8 +385,14 @@ def _quantize_group(group: QuantGroup, tensors, files: CheckpointFiles, device, 
     in_gs = None
     if quant_algo == F.ALGO_W4A4:
         in_gs = F.global_scale_from_amax_exact(max(input_amax[m] for m in group.modules))
-    for m, x, gs in zip(group.modules, xs, scales):
-        if options.method == "mse":
+    gptq_out = None
+    if options.method == "gptq":
+        # one global scale for the whole group unless --per-shard-global-scales (then one module per group)
+        gptq_out = gptq_quantizer(group.modules, xs, scales[0].to(device), mse_quantizer)
+    for i, (m, x, gs) in enumerate(zip(group.modules, xs, scales)):
+        if gptq_out is not None:
+            packed, block = gptq_out[i]
+        elif options.method == "mse":
             w = moments.get(m) if moments else None
             packed, block = mse_quantizer(x, gs.to(device), None if w is None else w.to(device))
         else:
@@ -361,6 +423,18 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
         raise ValueError(f"format: expected one of {F.FORMATS}, got {options.format!r}")
     if options.method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {options.method!r}")
+    if options.method == "gptq" and not options.calibration:
+        raise CheckpointError(problem(None, None, "--method gptq needs calibration (its Hessians come from running "
+                                                  "the model); --no-calibration allows --method rtn or mse only "
+                                                  "(for a weight-only gptq checkpoint use --weights-only)"))
+    gptq_settings = None
+    if options.method == "gptq":
+        from .gptq import GptqSettings
+
+        try:
+            gptq_settings = GptqSettings(options.gptq_damping, options.gptq_block_size, options.gptq_act_order)
+        except ValueError as exc:
+            raise CheckpointError(problem(None, None, str(exc))) from None
     t_start = time.time()
     src, dst = Path(src), Path(dst)
     if dst.exists() and not options.overwrite:
@@ -384,14 +458,16 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
 
     input_amax: dict[str, float] = {}
     moments: dict[str, torch.Tensor] | None = {} if options.method == "mse" else None
+    hessians: dict[str, torch.Tensor] | None = {} if options.method == "gptq" else None
     filled: list[str] = []
     t_cal = time.time()
-    if options.calibration and (quant_algo == F.ALGO_W4A4 or moments is not None):
+    if options.calibration and (quant_algo == F.ALGO_W4A4 or moments is not None or hessians is not None):
         from .calibrate import calibrate_input_amax
 
         raw = calibrate_input_amax(src, files, plan.modules, device=device, texts=options.calib_texts,
                                    samples=options.calib_samples, seq_len=options.calib_seq_len,
-                                   batch_size=options.calib_batch_size, second_moments=moments)
+                                   batch_size=options.calib_batch_size, second_moments=moments,
+                                   hessians=hessians)
         if quant_algo == F.ALGO_W4A4:
             input_amax, filled = _input_amax_for(plan, raw)
         if filled:
@@ -416,6 +492,8 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
                                desc=f"quantize ({device.type})")
                 quantizer = _Quantizer()
                 mse_quantizer = _MseQuantizer()
+                gptq_quantizer = (_GptqQuantizer(hessians, plan.modules, gptq_settings)
+                                  if hessians is not None else None)
                 # Read each group's source tensors two groups ahead, on a background thread.
                 reader = ReadAhead(plan.items,
                                    lambda it: [files.read(w) for w in it[1].weights()] if it[0] == "quant" else None)
@@ -425,7 +503,7 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
                         done = files.info(x).nbytes
                     else:
                         _quantize_group(x, data, files, device, options, quant_algo, input_amax, writer, quantizer,
-                                        moments, mse_quantizer)
+                                        moments, mse_quantizer, gptq_quantizer)
                         done = sum(t.numel() * t.element_size() for t in data)
                     if bar is not None:
                         bar.update(done)
@@ -433,6 +511,10 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
                 if bar is not None:
                     bar.close()
                     bar = None
+                if gptq_quantizer is not None and gptq_quantizer.fallbacks:
+                    logger.warning("nvfp4_plugin: gptq: %d modules had no calibration input (first: %s); they use "
+                                   "the unweighted mse search", len(gptq_quantizer.fallbacks),
+                                   gptq_quantizer.fallbacks[0])
                 # Our own loader must accept the result (headers, shapes, config, scalar scale values).
                 from .loader import validate_checkpoint
                 validate_checkpoint(tmp, check_block_scales=False)
