@@ -106,7 +106,7 @@ def test_quantization_nvfp4_is_not_overridden(tmp_path, layout, builtin):
     assert qc.spec.format == ("compressed-tensors" if layout == "compressed-tensors" else "modelopt")
     assert qc.spec.quant_algo == "NVFP4" and qc.spec.is_excluded("lm_head")
     assert qc.get_min_capability() == 90
-    assert qc.packed_modules_mapping["gate_up_proj"] == ["gate_proj", "up_proj"]
+    assert qc.fused_shards()["gate_up_proj"] == ["gate_proj", "up_proj"]
     # without the flag SGLang keeps its own path: we only take over when asked
     assert model_config(path, None).quantization == builtin
 

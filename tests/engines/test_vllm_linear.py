@@ -116,3 +116,36 @@ def test_corrupt_global_scale_names_the_tensor():
     t["weight_scale_2"] = torch.tensor(float("inf"))
     with pytest.raises(ValueError, match=r"tensor 'model.layers.3.mlp.down_proj.weight_scale_2': weight_scale_2 must be finite and > 0, got inf"):
         load(layer, [(None, t)])
+
+
+def test_wrong_dtype_and_missing_tensor_name_the_tensor():
+    cfg = Nvfp4VllmConfig.from_config(MODELOPT)
+
+    def gate_up():
+        layer = MergedColumnParallelLinear(64, [32, 32], bias=False, quant_config=cfg,
+                                           prefix="model.layers.1.mlp.gate_up_proj", params_dtype=torch.bfloat16)
+        assert layer.nvfp4_prefix == "model.layers.1.mlp.gate_up_proj"
+        return layer
+
+    ck = [checkpoint_tensors("modelopt", torch.randn(32, 64), 2.0) for _ in range(2)]
+    bad = dict(ck[1], weight_scale=ck[1]["weight_scale"].view(torch.uint8))
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.1.mlp.up_proj.weight_scale': dtype: expected "
+                                         r"float8_e4m3fn block scales, got uint8"):
+        load(gate_up(), [(0, ck[0]), (1, bad)])
+    partial = {k: v for k, v in ck[1].items() if k != "weight"}
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.1.mlp.up_proj.weight': missing in the checkpoint"):
+        load(gate_up(), [(0, ck[0]), (1, partial)])
+    too_wide = checkpoint_tensors("modelopt", torch.randn(32, 128), 2.0)
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.1.mlp.up_proj.weight': shape: expected \[32, 32\] "
+                                         r"for vLLM's MergedColumnParallelLinear .*got \[32, 64\]"):
+        load(gate_up(), [(0, ck[0]), (1, too_wide)])
+
+
+def test_exclusions_keep_the_checkpoint_names_through_the_mapper():
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    cfg = Nvfp4VllmConfig.from_config({**MODELOPT, "ignore": ["lm_head", "language_model.model.layers.0.*"]})
+    cfg.apply_vllm_mapper(WeightsMapper(orig_to_new_prefix={"language_model.model.": "model.language_model."}))
+    assert cfg.spec.exclude_modules == ("lm_head", "language_model.model.layers.0.*", "model.language_model.layers.0.*")
+    assert cfg.is_layer_excluded("model.language_model.layers.0.mlp.down_proj")
+    assert not cfg.is_layer_excluded("model.language_model.layers.1.mlp.down_proj")

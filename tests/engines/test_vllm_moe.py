@@ -95,3 +95,60 @@ def test_moe_missing_input_scale_for_w2_only_is_an_error():
     list(experts.load_weights(ckpt))
     with pytest.raises(ValueError, match="input scales present for only one of w13/w2"):
         experts.quant_method.process_weights_after_loading(experts)
+
+
+def moe_layer(quant_config, e=2, h=32, inter=32):
+    moe = FusedMoE(num_experts=e, top_k=1, hidden_size=h, intermediate_size=inter, params_dtype=torch.bfloat16,
+                   quant_config=quant_config, prefix=unique_layer())
+    return moe.routed_experts
+
+
+def test_modelopt_gate_and_up_input_scales_are_kept_apart(monkeypatch):
+    """vLLM's loader keeps one ModelOpt input_scale per expert (the last of gate/up); we keep both
+    and use the safe one (the smaller encode scale), whatever order they arrive in."""
+    monkeypatch.setenv("NVFP4_PLUGIN_ACT_MODE", "w4a4")
+    g = torch.Generator().manual_seed(4)
+    experts = moe_layer(Nvfp4VllmConfig.from_config(MODELOPT))
+    assert experts.nvfp4_prefix == experts.layer_name
+    ckpt = []
+    for ex in range(2):
+        order = (("up_proj", 2.0 + ex), ("gate_proj", 7.0)) if ex == 0 else (("gate_proj", 7.0), ("up_proj", 2.0 + ex))
+        for name, amax in (*order, ("down_proj", 3.0)):
+            q = Nvfp4Weight.quantize(torch.randn(32, 32, generator=g))
+            ckpt += [(f"{ex}.{name}.{k}", v) for k, v in expert_tensors("modelopt", q, amax).items()]
+    list(experts.load_weights(ckpt))
+    experts.quant_method.process_weights_after_loading(experts)
+    encode = lambda amax: 1.0 / (1.0 / torch.tensor(2688.0 / amax))  # noqa: E731  (ModelOpt stores the reciprocal)
+    want = torch.stack([torch.minimum(encode(7.0), encode(2.0 + ex)) for ex in range(2)])
+    assert torch.equal(experts.nvfp4_a13_global_scale, want)
+
+
+def test_expert_tensor_of_the_wrong_size_is_refused_by_name():
+    """vLLM's loader would copy a smaller expert tensor into the leading rows without complaint."""
+    experts = moe_layer(Nvfp4VllmConfig.from_config(MODELOPT), inter=64)
+    ckpt = [(f"0.gate_proj.{k}", v) for k, v in expert_tensors("modelopt", Nvfp4Weight.quantize(torch.randn(32, 32))).items()]
+    with pytest.raises(ValueError, match=rf"expert 0 gate projection: tensor '{experts.layer_name}.0.w1.weight': "
+                                         r"shape: expected \[64, 16\] for vLLM's RoutedExperts .*intermediate 64 "
+                                         r".*got \[32, 16\]"):
+        list(experts.load_weights(ckpt))
+
+
+def test_corrupt_expert_scale_names_expert_and_tensor():
+    experts = moe_layer(Nvfp4VllmConfig.from_config(MODELOPT))
+    t = expert_tensors("modelopt", Nvfp4Weight.quantize(torch.randn(32, 32)))
+    t["weight_scale_2"] = torch.tensor(-1.0)
+    with pytest.raises(ValueError, match=rf"expert 1 up projection: tensor '{experts.layer_name}.1.w3.weight_scale_2': "
+                                         r"weight_scale_2 must be finite and > 0, got -1.0"):
+        list(experts.load_weights([(f"1.up_proj.{k}", v) for k, v in t.items()]))
+
+
+def test_missing_expert_fails_by_name_after_loading():
+    """Block scales start NaN: an expert the checkpoint lacks is named, not served as zeros."""
+    experts = moe_layer(Nvfp4VllmConfig.from_config(MODELOPT))
+    ckpt = []
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        ckpt += [(f"0.{name}.{k}", v) for k, v in expert_tensors("modelopt", Nvfp4Weight.quantize(torch.randn(32, 32))).items()]
+    list(experts.load_weights(ckpt))
+    with pytest.raises(ValueError, match=rf"{experts.layer_name}.w13.*weight_scale_2': missing in the checkpoint "
+                                         r"for shard\(s\)/expert\(s\) \[\[1, 0\], \[1, 1\]\]"):
+        experts.quant_method.process_weights_after_loading(experts)

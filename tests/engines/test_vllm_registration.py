@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests._require import require
 
@@ -74,3 +75,26 @@ def test_default_fork_start_survives_config_parsing(tmp_path):
         assert type(VllmConfig.get_quantization_config(mc, LoadConfig())).__name__ == "Nvfp4VllmConfig"
     """)
     assert res.returncode == 0, (res.returncode, res.stdout, res.stderr[-3000:])
+
+
+def test_corrupt_checkpoint_fails_before_loading_naming_file_and_tensor(tmp_path):
+    """The same check SGLang runs when it reads the config: every header and scalar scale of a local
+    folder, once per folder, before any layer is built."""
+    from safetensors.torch import load_file, save_file
+
+    from nvfp4_plugin.checkpoints.quantize import quantize_checkpoint
+    from nvfp4_plugin.checkpoints.random_model import make_model
+    from nvfp4_plugin.engines.vllm.config import Nvfp4VllmConfig
+
+    make_model(tmp_path / "src", "llama", "tiny", device="cpu")
+    d = tmp_path / "q"
+    quantize_checkpoint(tmp_path / "src", d, format="compressed-tensors", calibration=False, device="cpu",
+                        progress=False)
+    name = "model.layers.1.self_attn.k_proj.weight_global_scale"
+    f = next(f for f in sorted(d.glob("*.safetensors")) if name in load_file(str(f)))
+    tensors = load_file(str(f))
+    tensors[name] = torch.tensor([float("nan")])
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    cfg = Nvfp4VllmConfig.from_config(json.loads((d / "config.json").read_text())["quantization_config"])
+    with pytest.raises(ValueError, match=rf"{f.name}: tensor '{name}': weight_global_scale must be finite and > 0"):
+        cfg.maybe_update_config(str(d))

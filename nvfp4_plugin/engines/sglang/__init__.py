@@ -10,8 +10,6 @@ from __future__ import annotations
 import logging
 
 logger = logging.getLogger("nvfp4_plugin")
-
-NAME = "nvfp4"
 _LOGGED = False
 
 
@@ -22,6 +20,7 @@ def register() -> None:
     from sglang.srt.layers.quantization import QUANTIZATION_METHODS
     from sglang.srt.server_args import QUANTIZATION_CHOICES, add_quantization_method_choices
 
+    from ..common import NAME
     from .config import Nvfp4SglangConfig
     from .linear import Nvfp4SglangLinearMethod
 
@@ -44,4 +43,4 @@ def register() -> None:
         logger.info("nvfp4_plugin: registered quantization method %r with SGLang", NAME)
 
 
-__all__ = ["NAME", "register"]
+__all__ = ["register"]

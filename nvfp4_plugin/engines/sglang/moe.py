@@ -12,77 +12,35 @@ dispatch (DeepEP, Mooncake, ...) and the FlashInfer/Triton MoE runner backends a
 from __future__ import annotations
 
 import torch
+from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoeWeightScaleSupported
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
-from ..common import finish_moe, layer_tensor_names
-from .linear import max_forward_tokens
-from .loading import e4m3_bytes, expert_loader
+from ..common import layer_prefix
+from ..methods import Nvfp4FusedMoEMethod
 
 
-class Nvfp4SglangFusedMoEMethod(FusedMoEMethodBase):
-    def __init__(self, quant_config):
-        super().__init__()
-        self.quant_config = quant_config
-        self.fmt = quant_config.spec.format
-        self.names = layer_tensor_names(self.fmt)
+class Nvfp4SglangFusedMoEMethod(Nvfp4FusedMoEMethod, FusedMoEMethodBase):
+    scale_kinds = FusedMoeWeightScaleSupported
 
-    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
-                       intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs):
-        from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoeWeightScaleSupported
-        from sglang.srt.utils import set_weight_attrs
-
-        prefix = getattr(layer, "layer_name", "experts")
+    def unsupported_settings(self, layer, extra_weight_attrs) -> dict:
         rc = layer.moe_runner_config
-        unsupported = {"activation": (rc.activation, "silu"), "is_gated": (rc.is_gated, True),
-                       "with_bias": (extra_weight_attrs.get("with_bias", False), False),
-                       "gemm1_alpha": (rc.gemm1_alpha, None), "gemm1_clamp_limit": (rc.gemm1_clamp_limit, None),
-                       "swiglu_limit": (rc.swiglu_limit, None),
-                       "apply_router_weight_on_input": (rc.apply_router_weight_on_input, False),
-                       "no_combine": (rc.no_combine, False)}
-        bad = {k: got for k, (got, want) in unsupported.items() if got != want}
-        if bad:
-            raise NotImplementedError(f"{prefix}: nvfp4 MoE supports SiLU-and-mul experts without bias, clamping or "
-                                      f"router weights on the input; this layer has {bad}")
-        h, i = hidden_size, intermediate_size_per_partition
-        if h % 16 or i % 16:
-            raise ValueError(f"{prefix}: nvfp4 MoE needs the hidden size ({h}) and the intermediate size per partition "
-                             f"({i}) to be multiples of 16")
-        nm, spec = self.names, self.quant_config.spec
-        layer.nvfp4_act_dtype = params_dtype
-        load = extra_weight_attrs["weight_loader"]
+        return {"activation": (rc.activation, "silu"), "is_gated": (rc.is_gated, True),
+                "with_bias": (extra_weight_attrs.get("with_bias", False), False),
+                "gemm1_alpha": (rc.gemm1_alpha, None), "gemm1_clamp_limit": (rc.gemm1_clamp_limit, None),
+                "swiglu_limit": (rc.swiglu_limit, None),
+                "apply_router_weight_on_input": (rc.apply_router_weight_on_input, False),
+                "no_combine": (rc.no_combine, False)}
 
-        def add(name, shape, dtype, fill, quant_method=None, views=None):
-            data = e4m3_bytes(shape, 0x7F) if dtype == torch.float8_e4m3fn else torch.full(shape, fill, dtype=dtype)
-            p = torch.nn.Parameter(data, requires_grad=False)
-            layer.register_parameter(name, p)
-            set_weight_attrs(p, {"weight_loader": expert_loader(layer, load, spec, name.split("_", 1)[1], views)})
-            if quant_method is not None:
-                set_weight_attrs(p, {"quant_method": quant_method.value})
-            return p
+    def full_sizes(self, layer) -> tuple[int, int]:
+        return layer.hidden_size, layer.intermediate_size_per_partition * layer.moe_tp_size
 
-        block, tensor = FusedMoeWeightScaleSupported.BLOCK, FusedMoeWeightScaleSupported.TENSOR
-        nan = float("nan")
-        add(f"w13_{nm.weight}", (num_experts, 2 * i, h // 2), torch.uint8, 0)
-        add(f"w2_{nm.weight}", (num_experts, h, i // 2), torch.uint8, 0)
-        add(f"w13_{nm.block_scale}", (num_experts, 2 * i, h // 16), torch.float8_e4m3fn, nan, block)
-        add(f"w2_{nm.block_scale}", (num_experts, h, i // 16), torch.float8_e4m3fn, nan, block)
-        add(f"w13_{nm.weight_global}", (num_experts, 2), torch.float32, nan, tensor)
-        add(f"w2_{nm.weight_global}", (num_experts,), torch.float32, nan, tensor)
-        # One activation scale per expert and shard. compressed-tensors' "input_global_scale" takes
-        # FusedMoE's per-tensor path (gate -> [:, 0], up -> [:, 1]); ModelOpt's "input_scale" takes
-        # its one-value-per-expert path, so gate and up are given views of their own column.
-        a13 = torch.full((num_experts, 2), nan, dtype=torch.float32)
-        views = None
-        if "input_scale" in nm.input_global:
-            views = {s: torch.nn.Parameter(a13[:, j], requires_grad=False) for j, s in enumerate(("w1", "w3"))}
-        p13 = add(f"w13_{nm.input_global}", (num_experts, 2), torch.float32, nan, tensor, views)
-        p13.data = a13
-        add(f"w2_{nm.input_global}", (num_experts,), torch.float32, nan, tensor)
+    def top_k(self, layer) -> int:
+        return self.moe_runner_config.top_k
 
     def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config) -> None:
         from sglang.srt.layers.moe.utils import get_moe_a2a_backend, get_moe_runner_backend
 
-        prefix = getattr(layer, "layer_name", "experts")
+        prefix = layer_prefix(layer)
         runner, a2a = get_moe_runner_backend(), get_moe_a2a_backend()
         if not (runner.is_auto() or runner.is_triton()):
             raise NotImplementedError(f"{prefix}: --quantization nvfp4 runs its own MoE kernels; leave "
@@ -93,17 +51,13 @@ class Nvfp4SglangFusedMoEMethod(FusedMoEMethodBase):
                                       "parallelism without it")
         self.moe_runner_config = moe_runner_config
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        finish_moe(layer, getattr(layer, "layer_name", "experts"), self.fmt, layer.nvfp4_act_dtype,
-                   self.moe_runner_config.top_k, warmup_tokens=max_forward_tokens())
-
     def apply(self, layer: torch.nn.Module, dispatch_output):
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
         from sglang.srt.layers.moe.topk import TopKOutputChecker
 
         topk_output = getattr(dispatch_output, "topk_output", None)
         if not dispatch_output.format.is_standard() or not TopKOutputChecker.format_is_standard(topk_output):
-            raise NotImplementedError(f"{getattr(layer, 'layer_name', 'experts')}: nvfp4 MoE takes SGLang's standard "
+            raise NotImplementedError(f"{layer_prefix(layer)}: nvfp4 MoE takes SGLang's standard "
                                       f"dispatch and top-k outputs, got {dispatch_output.format!r} / "
                                       f"{getattr(topk_output, 'format', None)!r}")
         topk_weights, topk_ids = topk_output.topk_weights, topk_output.topk_ids

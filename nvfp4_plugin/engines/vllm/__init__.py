@@ -20,11 +20,12 @@ def register() -> None:
     from vllm.model_executor.layers.quantization import register_quantization_config
 
     from ..._logging import configure_for_engine
+    from ..common import NAME
     from .config import Nvfp4VllmConfig
     from .linear import Nvfp4VllmLinearMethod
 
     configure_for_engine()
-    register_quantization_config("nvfp4")(Nvfp4VllmConfig)
+    register_quantization_config(NAME)(Nvfp4VllmConfig)
     register_weight_loader_v2_supported_method(Nvfp4VllmLinearMethod)
     _REGISTERED = True
-    logger.info("nvfp4_plugin: registered quantization method 'nvfp4' with vLLM")
+    logger.info("nvfp4_plugin: registered quantization method %r with vLLM", NAME)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import os
 from typing import Any
 
 import torch
@@ -12,51 +9,32 @@ from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMetho
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-from ...checkpoints import validate_checkpoint
-from ..common import Nvfp4QuantConfig, is_layer_excluded, override_for, parse_quant_config
-
-logger = logging.getLogger("nvfp4_plugin")
-
-NAME = "nvfp4"
+from ..common import Nvfp4ConfigMethods, Nvfp4QuantConfig, validate_model_dir
 
 
-class Nvfp4VllmConfig(QuantizationConfig):
+class Nvfp4VllmConfig(Nvfp4ConfigMethods, QuantizationConfig):
+    engine = "vLLM"
+
     def __init__(self, spec: Nvfp4QuantConfig):
         super().__init__()
         self.spec = spec
 
-    def get_name(self) -> str:
-        return NAME
-
-    def get_supported_act_dtypes(self) -> list[torch.dtype]:
-        return [torch.bfloat16, torch.float16]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return 90  # Hopper: our FP4-weight kernels; other GPUs: the reference backend (nvfp4-plugin info --capability)
-
     @staticmethod
-    def get_config_filenames() -> list[str]:
-        return ["hf_quant_config.json"]
+    def max_tokens() -> int | None:
+        from vllm.config import get_current_vllm_config_or_none
+
+        cfg = get_current_vllm_config_or_none()  # None outside a vLLM config context
+        return getattr(getattr(cfg, "scheduler_config", None), "max_num_batched_tokens", None)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Nvfp4VllmConfig:
-        return cls(parse_quant_config(config))
-
-    @classmethod
-    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
-        # Without this, vLLM's ModelOpt override turns "--quantization nvfp4" into "modelopt_fp4".
-        return override_for(user_quant, NAME, hf_quant_cfg)
+        return cls(cls.parse_spec(config))
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
-        mapped = hf_to_vllm_mapper.apply_list(list(self.spec.exclude_modules))
-        self.spec = dataclasses.replace(self.spec, exclude_modules=tuple(mapped))
+        self.map_excluded_names(hf_to_vllm_mapper)
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
-        # Check every tensor of a local checkpoint on the CPU now, so a broken file fails with a
-        # message naming the file and tensor before any GPU work.
-        if os.path.isdir(model_name):
-            validate_checkpoint(model_name)
+        validate_model_dir(model_name)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
@@ -64,13 +42,8 @@ class Nvfp4VllmConfig(QuantizationConfig):
         from .linear import Nvfp4VllmLinearMethod
         from .moe import Nvfp4VllmFusedMoEMethod
 
-        if isinstance(layer, (LinearBase, ParallelLMHead)):
-            if is_layer_excluded(self.spec, prefix, self.packed_modules_mapping):
-                return UnquantizedLinearMethod()
-            layer.prefix = prefix
-            return Nvfp4VllmLinearMethod(self)
-        if isinstance(layer, RoutedExperts):
-            if is_layer_excluded(self.spec, prefix, self.packed_modules_mapping):
-                return None
-            return Nvfp4VllmFusedMoEMethod(self, layer.moe_config)
-        return None  # attention: vLLM's default (KV-cache quantization is not ours)
+        kind = ("linear" if isinstance(layer, (LinearBase, ParallelLMHead)) else
+                "moe" if isinstance(layer, RoutedExperts) else None)  # attention: KV-cache quantization is not ours
+        return self.quant_method_for(layer, prefix, kind, linear=lambda: Nvfp4VllmLinearMethod(self),
+                                     moe=lambda: Nvfp4VllmFusedMoEMethod(self, layer.moe_config),
+                                     unquantized_linear=UnquantizedLinearMethod)

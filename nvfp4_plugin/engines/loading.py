@@ -1,6 +1,11 @@
-"""Checked weight loaders: each checkpoint tensor is validated (dtype, rank, scalar scale values) under
-its checkpoint name before SGLang's own loader shards and copies it, and each layer records which
-shards arrived, so a tensor missing from the checkpoint fails by name instead of leaving zeros.
+"""Checked weight loaders, the same in both engines: each checkpoint tensor is validated (dtype, rank,
+scalar scale values, full shape) under its checkpoint name before the engine's own loader shards and
+copies it, and each linear layer records which shards arrived, so a tensor missing from the
+checkpoint fails by name instead of leaving zeros.
+
+Both engines' loaders narrow a too-large tensor to their TP slice, and copy a too-small expert
+tensor into the leading rows, without complaint: the full shape is checked here, from the layer's
+own sizes (vLLM's and SGLang's layers name them alike).
 """
 
 from __future__ import annotations
@@ -9,19 +14,13 @@ from collections.abc import Callable
 
 import torch
 
-from ...checkpoints import check_checkpoint_tensor
-from ...checkpoints.errors import problem
-from ..common import CheckpointError, Nvfp4QuantConfig, layer_tensor_names
+from ..checkpoints import CheckpointError, Nvfp4QuantConfig, check_checkpoint_tensor
+from ..checkpoints.errors import problem
+from .common import TensorNames, layer_prefix
 
 _QKV = {"q": 0, "k": 1, "v": 2}
-#: FusedMoE shard ids -> what they hold (checkpoints call them gate/up/down_proj or w1/w3/w2).
+#: MoE shard ids -> what they hold (checkpoints call them gate/up/down_proj or w1/w3/w2).
 EXPERT_SHARDS = {"w1": "gate", "w3": "up", "w2": "down"}
-
-
-def e4m3_bytes(shape, byte: int) -> torch.Tensor:
-    """float8_e4m3fn tensor of one repeated bit pattern (0x00: zero, 0x7F: NaN = "not loaded"), made
-    through uint8 so no float8 fill kernel is needed on the device."""
-    return torch.full(shape, byte, dtype=torch.uint8).view(torch.float8_e4m3fn)
 
 
 def shard_indices(shard_id, num_shards: int) -> list[int]:
@@ -35,10 +34,10 @@ def shard_indices(shard_id, num_shards: int) -> list[int]:
     return [int(shard_id)]
 
 
-def shard_module(prefix: str, index: int | None, packed_modules_mapping: dict) -> str:
+def shard_module(prefix: str, index: int | None, fused_shards: dict) -> str:
     """Checkpoint module of shard ``index`` of the fused layer ``prefix`` (``...qkv_proj`` -> ``...k_proj``)."""
     proj = prefix.rsplit(".", 1)[-1]
-    shards = packed_modules_mapping.get(proj)
+    shards = fused_shards.get(proj)
     if index is None or not isinstance(shards, (list, tuple)) or index >= len(shards):
         return prefix if index is None else f"{prefix}[shard {index}]"
     return prefix[: len(prefix) - len(proj)] + shards[index]
@@ -61,7 +60,7 @@ def _full_rows(layer: torch.nn.Module, idx: list[int]) -> int | None:
     return sum(sizes[i] for i in idx) if max(idx) < len(sizes) else None
 
 
-def expected_shape(layer: torch.nn.Module, suffix: str, names, idx: list[int]) -> tuple[int, int] | None:
+def expected_shape(layer: torch.nn.Module, suffix: str, names: TensorNames, idx: list[int]) -> tuple[int, int] | None:
     """[rows, K/2] of a packed weight or [rows, K/16] of block scales, as the checkpoint stores them."""
     if getattr(layer, "use_presharded_weights", False):
         return None
@@ -72,23 +71,21 @@ def expected_shape(layer: torch.nn.Module, suffix: str, names, idx: list[int]) -
     return (rows, k // 2) if suffix == names.weight else (rows, k // 16) if suffix == names.block_scale else None
 
 
-def linear_loader(layer: torch.nn.Module, load: Callable, spec: Nvfp4QuantConfig, packed_modules_mapping: dict,
-                  suffix: str, num_shards: int) -> Callable:
-    """Wrap a linear layer's SGLang loader for the parameter named ``suffix``."""
-    prefix = getattr(layer, "nvfp4_prefix", type(layer).__name__)
-    names = layer_tensor_names(spec.format)
+def linear_loader(layer: torch.nn.Module, load: Callable, spec: Nvfp4QuantConfig, names: TensorNames,
+                  fused_shards: dict, suffix: str, num_shards: int, engine: str) -> Callable:
+    """Wrap a linear layer's ``engine`` loader for the parameter named ``suffix``."""
+    prefix = layer_prefix(layer)
 
     def weight_loader(param, loaded_weight: torch.Tensor, *args, **kwargs):
         shard_id = args[0] if args else kwargs.get("loaded_shard_id")
         idx = shard_indices(shard_id, num_shards)
         one_shard = shard_id is not None and len(idx) == 1
-        name = f"{shard_module(prefix, idx[0] if one_shard else None, packed_modules_mapping)}.{suffix}"
+        name = f"{shard_module(prefix, idx[0] if one_shard else None, fused_shards)}.{suffix}"
         # scalar values here; block-scale values are checked once per layer after loading (on the device)
         check_checkpoint_tensor(name, loaded_weight, spec, check_values=loaded_weight.numel() == 1)
-        # SGLang narrows a too-large tensor to its TP slice without complaint: check the full shape
         want = expected_shape(layer, suffix, names, idx)
         if want is not None and tuple(loaded_weight.shape) != want:
-            raise CheckpointError(problem(None, name, f"shape: expected {list(want)} for SGLang's "
+            raise CheckpointError(problem(None, name, f"shape: expected {list(want)} for {engine}'s "
                                                       f"{type(layer).__name__} '{prefix}' (from the model config), "
                                                       f"got {list(loaded_weight.shape)}"))
         load(param, loaded_weight, *args, **kwargs)
@@ -97,32 +94,29 @@ def linear_loader(layer: torch.nn.Module, load: Callable, spec: Nvfp4QuantConfig
     return weight_loader
 
 
-def check_all_loaded(layer: torch.nn.Module, suffixes, num_shards: int, packed_modules_mapping: dict) -> None:
-    prefix = getattr(layer, "nvfp4_prefix", type(layer).__name__)
+def check_all_loaded(layer: torch.nn.Module, suffixes, num_shards: int, fused_shards: dict) -> None:
+    prefix = layer_prefix(layer)
     loaded = getattr(layer, "nvfp4_loaded", set())
-    missing = [f"{shard_module(prefix, i if num_shards > 1 else None, packed_modules_mapping)}.{s}"
+    missing = [f"{shard_module(prefix, i if num_shards > 1 else None, fused_shards)}.{s}"
                for s in suffixes for i in range(num_shards) if (s, i) not in loaded]
     if missing:
         raise CheckpointError([problem(None, m, "missing in the checkpoint (never loaded)") for m in missing],
                               f"NVFP4 layer '{prefix}'")
 
 
-def expert_loader(layer: torch.nn.Module, load: Callable, spec: Nvfp4QuantConfig, suffix: str,
-                  per_shard_views: dict | None = None) -> Callable:
-    """Wrap FusedMoE.weight_loader for the parameter holding ``suffix`` tensors of every expert.
+def expert_loader(layer: torch.nn.Module, load: Callable, spec: Nvfp4QuantConfig, names: TensorNames, suffix: str,
+                  engine: str, full_sizes: Callable[[], tuple[int, int]], per_shard_views: dict | None = None) -> Callable:
+    """Wrap the engine's MoE ``weight_loader`` for the parameter holding ``suffix`` tensors of every expert.
 
-    ``per_shard_views`` maps a shard id to a view of the parameter: SGLang loads every tensor whose
-    name contains ``input_scale`` as one value per expert (the last of gate/up wins); a view per
-    shard keeps gate's and up's values apart, so the layer can take the safe one of the two.
+    ``full_sizes()``: the layer's hidden and intermediate sizes before TP sharding.
+    ``per_shard_views`` maps a shard id to a view of the parameter that its values go to instead
+    (see :func:`~nvfp4_plugin.engines.common.moe_parameters`).
     """
-    prefix = getattr(layer, "layer_name", "experts")
-    names = layer_tensor_names(spec.format)
+    prefix = layer_prefix(layer)
 
-    def full_sizes() -> tuple[int, int]:
-        return layer.hidden_size, layer.intermediate_size_per_partition * layer.moe_tp_size
-
-    def expected(shard_id) -> tuple[int, int] | None:
-        if getattr(layer, "use_presharded_weights", False) or suffix not in (names.weight, names.block_scale):
+    def expected(shard_id, loaded_weight) -> tuple[int, int] | None:
+        if (getattr(layer, "use_presharded_weights", False) or suffix not in (names.weight, names.block_scale)
+                or loaded_weight.dim() != 2):  # 3-D: all experts in one tensor
             return None
         h, inter = full_sizes()
         div = 2 if suffix == names.weight else 16
@@ -134,13 +128,13 @@ def expert_loader(layer: torch.nn.Module, load: Callable, spec: Nvfp4QuantConfig
         name = f"{prefix}.{expert_id}.{shard_id}.{suffix}" if expert_id is not None else f"{prefix}.{suffix}"
         try:
             check_checkpoint_tensor(name, loaded_weight, spec, check_values=loaded_weight.numel() == 1)
-            # FusedMoE copies a too-small tensor into the leading rows without complaint
-            want = expected(shard_id) if expert_id is not None else None
+            want = expected(shard_id, loaded_weight) if expert_id is not None else None
             if want is not None and tuple(loaded_weight.shape) != want:
                 h, inter = full_sizes()
-                raise CheckpointError(problem(None, name, f"shape: expected {list(want)} for SGLang's FusedMoE "
-                                                          f"'{prefix}' (hidden {h}, intermediate {inter} from the "
-                                                          f"model config), got {list(loaded_weight.shape)}"))
+                raise CheckpointError(problem(None, name, f"shape: expected {list(want)} for {engine}'s "
+                                                          f"{type(layer).__name__} '{prefix}' (hidden {h}, "
+                                                          f"intermediate {inter} from the model config), "
+                                                          f"got {list(loaded_weight.shape)}"))
         except CheckpointError as exc:
             raise CheckpointError(exc.problems, f"expert {expert_id} {what} projection") from None
         target = per_shard_views[shard_id] if per_shard_views and shard_id in per_shard_views else param
