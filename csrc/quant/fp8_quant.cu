@@ -80,9 +80,8 @@ __device__ __forceinline__ void store_group_scale(void* scales, uint32_t bits, u
 // ------------------------------------------------------------------------------------------------
 // Per-token-group: one thread per unit of 16 consecutive values (one 16-byte store of codes); tpg =
 // group_size / 16 consecutive lanes share a group, whose amax is a shuffle reduction over them.
-// One unit per thread in small CTAs (kGroupThreads): measured on the H200 (2026-11-25), 4 or 2 units
-// per thread with all loads issued first were 2-10% slower at M >= 1024 (fewer resident warps), and
-// 256-thread CTAs cost 0.2-0.3 us at M <= 16 (two warps per scheduler on fewer SMs). kTpg = 8 is
+// One unit per thread in small CTAs (kGroupThreads): more units per thread or 256-thread CTAs measured
+// slower on the H200 (csrc/quant/PERF_NOTES.md, "Bytes in flight"). kTpg = 8 is
 // group 128 with an unrolled reduction; 0 takes tpg from tpg_log2.
 // ------------------------------------------------------------------------------------------------
 constexpr int kGroupThreads = 128;
@@ -381,7 +380,7 @@ cudaError_t launch_dynamic(const void* input, float* scale, uint8_t* out, int64_
   auto amax_kernel = fp8_amax_kernel<T>;
   static const int per_sm_a = resident_ctas(amax_kernel);
   // Plain stream order for both passes: the amax follows the memset (PDL orders kernel after kernel), and an
-  // early quant pass measured slower (H200, 8192 x 2048 bf16: 25.1 us against 23.2 us without PDL).
+  // early quant pass measured slower (PERF_NOTES.md, "Programmatic dependent launch").
   err = launch_kernel(amax_kernel, grid_for(uint64_t(numel / kE) + 1, num_sms, per_sm_a), kThreads, 0, stream, false,
                       in, scale, numel);
   if (err != cudaSuccess) return err;

@@ -102,26 +102,17 @@ inline TilingChoice pick_tiling(TilingChoice measured, bool groups_ok, bool chun
   return ok ? c : measured;
 }
 
-// Dense tiling (swizzled or linear scales):
+// Dense tiling (swizzled or linear scales); each threshold measured on the H200 (PERF_NOTES.md, "Work
+// distribution"):
 // - 8-row groups (swizzled, >= 32 block columns) for up to 1024 rows, where the 32-column tile's extra CTAs
-//   cut latency (H200, 2026-11-25: M=1..1024 3-12% faster than the row-block tile);
-// - chunks (many waves of CTAs that each take 7 or 16 consecutive row steps) from 6 row steps per resident
-//   CTA up, 5 with swizzled scales (sector lanes; H200, 2026-11-26, rows -> chunks at 5.2 row steps per resident
-//   CTA: 8192 x 2048 72.0 -> 81.0, 4096 x 4096 72.0 -> 81.4, 2048 x 7168 70.8 -> 79.0; at 2.6: 4096 x 2048 65.3 ->
-//   53.3); runs of 16 from 128 row steps per resident CTA (H200, 2026-11-26, % of copy, runs of 8 -> 7, two holds:
-//   32768 x 2048 89.1-89.3 -> 89.9-90.4, 8192 x 4096 82.4-82.6 -> 83.0-83.2, 8192 x 7168 88.1-88.2 -> 88.3-88.6,
-//   the other shapes with 4096-32768 rows within 0.6; runs of 4 / 5 / 6 / 12 / 16 / 24 slower than 7).
-//   A one-wave grid that sweeps its rows in a fixed order falls behind itself on long inputs (CTAs drift
-//   apart, and with them the rows of each 32-byte scale sector); the block scheduler keeps a many-wave grid
-//   in order (H200, 2026-11-25, % of copy, one-wave -> chunks: 32768 x 4096 84.4 -> 85.9, 32768 x 7168
-//   82.4 -> 86.8, 131072 x 4096 84.0 -> 91.0, 262144 x 4096 75.1 -> 92.2, 262144 x 7168 63.8 -> 91.4).
-//   Their last two waves take half and quarter runs (ChunkPlan), so that from six waves' worth of 8-step runs
-//   the chunks beat the one-wave kernel too, where a plain last wave left the GPU idling behind a few long
-//   CTAs (H200, 2026-11-26, one-wave -> tapered chunks: 4096 x 7168 76.0 -> 80.3, 8192 x 4096 / 7168
-//   78.6 / 82.7 -> 82.2 / 87.9, 32768 x 2048 84.6 -> 88.9; untapered chunks at 8192 x 4096 were 67-73);
-// - else the one-wave row-block tile in the grid-wide row order (nvfp4_dense_kernel), which measured faster
-//   than the groups at 8192-32768 rows (the neighbouring CTAs write the rows of one scale sector close
-//   together in time there).
+//   cut latency;
+// - chunks (many waves of CTAs that each take 7 consecutive row steps, 16 from 128 row steps per resident CTA;
+//   the last two waves half and quarter runs, ChunkPlan) from 6 row steps per resident CTA up, 5 with swizzled
+//   scales (sector lanes). A one-wave grid that sweeps its rows in a fixed order falls behind itself on long
+//   inputs (CTAs drift apart, and with them the rows of each 32-byte scale sector); the block scheduler keeps a
+//   many-wave grid in order;
+// - else the one-wave row-block tile in the grid-wide row order (nvfp4_dense_kernel), faster than the groups at
+//   8192-32768 rows (neighbouring CTAs write the rows of one scale sector close together in time there).
 // `chunk_ctas`: resident CTAs of the whole GPU for the chunks kernel. Returns the tiling and, for chunks,
 // the row steps per CTA.
 inline TilingChoice dense_tiling(bool swizzle, int64_t m_pad, int32_t kb_pad, const Tile& rows_tile,
@@ -137,11 +128,9 @@ inline TilingChoice dense_tiling(bool swizzle, int64_t m_pad, int32_t kb_pad, co
   return pick_tiling(measured, groups_ok, true);
 }
 
-// Experts: the chunks kernel (nvfp4_experts_chunks_kernel) where the input is >= 4x the L2 size (H200, E=256,
-// top-8, 2026-11-25, bench_quant % of copy, 8-row groups -> chunks: 8192 tokens x 4096 / 7168 63.0 / 64.9 -> 70.5 /
-// 74.5, 32768 tokens x 2048 / 4096 / 7168 68.7 / 70.5 / 70.8 -> 79.3 / 83.5 / 81.9; 8192 tokens x 2048, 4.3x L2,
-// row-block kernel 67.7 -> chunks 69.5-69.8 in one hold). Fewer rows leave most scale rows as per-expert padding,
-// which the row-block kernel's phase 2 zeroes 16 bytes at a time (1024 tokens x 4096: 55% against 28% in chunks).
+// Experts: the chunks kernel (nvfp4_experts_chunks_kernel) where the input is >= 4x the L2 size (measured on the
+// H200: PERF_NOTES.md, "Experts"). Fewer rows leave most scale rows as per-expert padding, which the row-block
+// kernel's phase 2 zeroes 16 bytes at a time.
 template <typename T>
 TilingChoice experts_tiling(int64_t m, int64_t k) {
   static const int64_t l2 = l2_cache_bytes();
@@ -150,9 +139,8 @@ TilingChoice experts_tiling(int64_t m, int64_t k) {
 }
 
 // The masked kernel takes the 8-row groups where its input (gate and up: 2 x K values per row) is
-// >= 16x the L2 size (H200, 32 experts, 2026-11-25: 1.9-3.8 GB 71-74% -> 75-79% of copy; 1.07 GB
-// equal; 235-537 MB 65-77% -> 53-67%, where the row slices are short enough that the scale sectors
-// stay in L2 anyway).
+// >= 16x the L2 size; below it the row slices are short enough that the scale sectors stay in L2 anyway
+// (measured on the H200: PERF_NOTES.md, "Masked SiLU-mul").
 template <typename T>
 bool masked_uses_groups(uint64_t rows, int64_t in_row, int32_t kb_pad) {
   static const int64_t l2 = l2_cache_bytes();
@@ -163,8 +151,7 @@ bool masked_uses_groups(uint64_t rows, int64_t in_row, int32_t kb_pad) {
 
 // Row order: CTA y of the one-wave grid takes the row steps (rows, or 8-row groups) y, y + gridDim.y, ...,
 // so the whole grid sweeps the input front to back together rather than each CTA streaming its own
-// contiguous slice (H200, 2026-11-25: 32768 x 4096 / 7168 rows 81 -> 86 / 85% of copy, 8192 x 2048
-// 66 -> 68.5%; the row-block tile then writes whole scale sectors too, see dense_tiling).
+// contiguous slice (faster on the H200, PERF_NOTES.md; the row-block tile then writes whole scale sectors too).
 template <typename T, bool SWIZZLE, bool UE8M0, bool GROUPS>
 __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restrict__ in, const float* __restrict__ gsp,
                                                                uint8_t* __restrict__ out, uint8_t* __restrict__ sf,
@@ -210,9 +197,8 @@ __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restri
   };
   uint32_t r = r0;
   if (col < kb) {
-    // No software prefetch here: measured on the H200 it cost 3-7% at M >= 8192 (the experts and
-    // masked kernels gain from it, csrc/quant/PERF_NOTES.md), and a cp.async ring of 3 blocks per thread
-    // in shared memory did not beat the direct loads either (PERF_NOTES, fourth session).
+    // No software prefetch and no cp.async ring here: both measured slower on the H200 (PERF_NOTES.md,
+    // "Bytes in flight").
     const int64_t step_in = int64_t(rstep) * k, step_out = int64_t(rstep) * (k / 2);
     const T* p = in + int64_t(r0) * k + col * 16;
     uint8_t* q = out + int64_t(r0) * (k / 2) + col * 8;
@@ -226,11 +212,9 @@ __global__ void __launch_bounds__(kThreads) nvfp4_dense_kernel(const T* __restri
 // before the out_scale table is built. Built for 6 resident CTAs per SM with 16-bit inputs and e4m3 scales (40
 // registers, measured faster than 48); UE8M0 scales and fp32 inputs would spill there and take no bound.
 // A kernel of its own: folded into nvfp4_dense_kernel as a third row order, it took that kernel's one-wave
-// paths from 47-48 to 60-72 registers. Swizzled, a row step is an 8-row group in sector lanes (below): against the
-// row tile (a warp = 32 blocks of one row, each warp store touching 8 scale sectors with 4 bytes each) it measured
-// H200, 2026-11-26, PDL on, % of copy, means of two runs: 4096 x 7168 83.25 -> 87.05, 8192 x 4096 / 7168 84.05 /
-// 89.15 -> 85.85 / 91.75, 32768 x 2048 / 4096 / 7168 90.95 / 93.75 / 94.55 -> 92.6 / 96.0 / 97.45
-// (benchmarks/results/quant_kernels_h200.md, sixteenth session).
+// paths from 47-48 to 60-72 registers. Swizzled, a row step is an 8-row group in sector lanes (below), 2-3 points
+// faster than the row tile, whose warp stores touched 8 scale sectors with 4 bytes each (PERF_NOTES.md, "Scale
+// stores").
 template <typename T, bool SWIZZLE, bool UE8M0>
 __global__ void __launch_bounds__(kThreads, kIs16Bit<T> && !UE8M0 ? 6 : 1)
     nvfp4_dense_chunks_kernel(const T* __restrict__ in, const float* __restrict__ gsp, uint8_t* __restrict__ out,
@@ -260,10 +244,8 @@ __global__ void __launch_bounds__(kThreads, kIs16Bit<T> && !UE8M0 ? 6 : 1)
   const uint32_t s_end = min((uint32_t(m_pad) + step_rows - 1) / step_rows, s0 + n_steps);
   const uint32_t kt = uint32_t(kb_pad) >> 2;
   // The thread's row and its input, output and scale pointers at row step st. Swizzled, the loop moves them on
-  // from step to step: 4 fewer instructions per block, and in two H200 holds of three (2026-11-26, % of copy, main
-  // -> moved pointers, alternated) 1-2 points faster (8192 x 4096 89.0-89.3 -> 90.4-90.5, 8192 x 2048 83.7-83.8 ->
-  // 85.4-85.5, 32768 x 4096 96.2-96.3 -> 97.2-97.5), level in the third. Linear recomputes them: moving them on
-  // there spilled 8 bytes and cost 1.5 points.
+  // from step to step: 4 fewer instructions per block, 1-2 points faster (PERF_NOTES.md, "Scale stores"). Linear
+  // recomputes them: moving them on there spilled 8 bytes.
   uint32_t r;
   const T* p;
   uint8_t* q;
@@ -475,25 +457,19 @@ __device__ __forceinline__ void zero_scale_rows_cta(uint8_t* __restrict__ sf, in
 }
 
 // Grouped by expert, in chunks (experts_tiling): nvfp4_dense_chunks_kernel's order over the input rows. CTA y takes
-// a run of consecutive row steps (32 rows; the last two waves half and quarter runs, ChunkPlan: H200, 2026-11-26,
-// 8192 tokens x 2048 / 4096 / 7168 72.4 / 71.5 / 76.9 -> 74.0 / 76.5 / 78.9% of copy), so the many-wave grid
-// sweeps the input in order and each CTA meets one or two experts. A row r of expert e writes its scales at scale row
-// bo[e] + (r - eo[e]). Per CTA: the offsets are staged in shared memory, and the out_scale tables of the
+// a run of consecutive row steps (32 rows; the last two waves half and quarter runs, ChunkPlan), so the many-wave
+// grid sweeps the input in order and each CTA meets one or two experts. A row r of expert e writes its scales at
+// scale row bo[e] + (r - eo[e]). Per CTA: the offsets are staged in shared memory, and the out_scale tables of the
 // experts of its rows are built once (more than kMaxOutTabs experts: out_scale per block). The CTA that
 // holds an expert's last row (clamped to [0, m)) zeroes that expert's padding scale rows
 // [bo[e] + rows, bo[e+1]) in its columns, right after the expert's last scale sector was written; the scale
 // rows before bo[0] and from bo[E] are zeroed by the whole grid; rows of no expert get zero codes. Both zeroings
 // store 16-byte chunks in order, whole 32-byte sectors per warp (zero_scale_rows): the one-byte stores per row
-// and the word stores 512 bytes apart they replace cost a constant ~37 us at E = 256 (H200, 2026-11-26, % of copy,
-// 8192 tokens x 2048 / 4096 / 7168 79.0 / 76.4 / 80.3 -> 85.7 / 88.7 / 92.4, 32768 tokens 93.0 / 91.2 / 93.0 ->
-// 94.8 / 94.4 / 95.8, with 4-byte words in atom order; 16-byte chunks measured level or faster, 8192 x 2048 95.6 ->
-// 94.8 us).
-// Built for 5 resident CTAs per SM with 16-bit inputs (48 registers; bf16 measured 47-53% of copy at 64
-// registers against 65-78% at 48, 65536-262144 rows; fp16 spills 16 bytes there). RING: the input streams through
-// a bulk-copy ring (bulk_ring.cuh; a producer warp after the tile's threads, 4 resident CTAs, 56 registers): H200,
-// 2026-11-26, E = 256, % of copy, 8192 tokens x 2048 / 4096 / 7168 76.2 / 75.7 / 78.0 -> 78.9 / 76.4 / 80.4, 32768
-// tokens 87.7 / 88.4 / 88.7 -> 93.1 / 91.4 / 93.2 (the ring's latency hiding pays here, not in the dense kernels:
-// PERF_NOTES, thirteenth session).
+// and the word stores 512 bytes apart they replace cost a constant ~37 us at E = 256 (PERF_NOTES.md, "Scale stores").
+// Built for 5 resident CTAs per SM with 16-bit inputs (48 registers; 64 measured much slower; fp16 spills 16 bytes
+// there). RING: the input streams through a bulk-copy ring (bulk_ring.cuh; a producer warp after the tile's
+// threads, 4 resident CTAs, 56 registers), which pays here and not in the dense kernels (PERF_NOTES.md, "Bytes in
+// flight").
 template <typename T, bool RING>
 __global__ void __launch_bounds__(kThreads + (RING ? kRingThreads : 0), kIs16Bit<T> ? (RING ? 4 : 5) : 1)
     nvfp4_experts_chunks_kernel(const T* __restrict__ in, const float* __restrict__ gsp,
@@ -679,8 +655,8 @@ NVQ_HD float silu_tab_input(int i) {
 NVQ_HD uint32_t silu_tab_off(uint32_t x) { return (x & 0x3FFFu) | ((x >> 3) & 0x4000u); }
 
 // Fill the table (every thread of the CTA takes part; no barrier here). Entries with
-// 2**-95 <= |g| < 65 take silu_fp32_guarded, which is silu_fp32 bit for bit there (PERF_NOTES §4,
-// exhaustive) at about half the instructions; the others (|g| >= 65) the general silu_fp32.
+// 2**-95 <= |g| < 65 take silu_fp32_guarded, which is silu_fp32 bit for bit there (PERF_NOTES.md, "Bit-exactness
+// evidence": exhaustive) at about half the instructions; the others (|g| >= 65) the general silu_fp32.
 __device__ __forceinline__ void silu_tab_fill(float* tab) {
   for (int i = threadIdx.x; i < kSiluTab; i += blockDim.x) {
     const float g = silu_tab_input(i);
@@ -1093,8 +1069,7 @@ cudaError_t launch_experts(const void* input, const float* gs, const int32_t* eo
                          kMaxOutTabs * kOutScaleTab * sizeof(float);
     const cudaError_t err = allow_smem(ckernel, csmem);
     if (err != cudaSuccess) return err;
-    // 32 rows per CTA (H200, 2026-11-25, % of copy: 65536 x 4096 8 / 16 / 32 rows 61.5 / 66.1 / 67.3, 64 rows
-    // 57.0; 65536 x 2048, two rows per step: 16 / 32 steps 66.5 / 61.9)
+    // 32 rows per CTA, the fastest of 8-64 on the H200 (PERF_NOTES.md, "Experts")
     // resident CTAs for the plan's tapered waves (csmem depends on num_experts: a fixed bound, queried once)
     const int per_sm_chunks = ring ? per_sm_ring : per_sm_plain;
     ChunkPlan plan;
