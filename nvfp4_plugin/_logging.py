@@ -8,10 +8,11 @@ backend chosen. ``NVFP4_PLUGIN_LOG_LEVEL`` (default ``INFO``) sets the level.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
-ENV_LOG_LEVEL = "NVFP4_PLUGIN_LOG_LEVEL"
+from . import envs
+
+ENV_LOG_LEVEL = envs.LOG_LEVEL
 
 
 def configure_for_engine() -> None:
@@ -21,5 +22,5 @@ def configure_for_engine() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"))
     logger.addHandler(handler)
-    logger.setLevel(os.environ.get(ENV_LOG_LEVEL, "INFO").upper())
+    logger.setLevel(envs.log_level())
     logger.propagate = False

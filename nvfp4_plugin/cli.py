@@ -41,11 +41,11 @@ def _shape(text: str, n: int, name: str) -> tuple[int, ...]:
 def capability_info(args) -> int:
     """``info --capability X.Y``: the layer plan for that GPU (no such GPU needed); exit 1 if a kernel
     that could be selected there fails to compile (``--compile``)."""
-    import os
+    from . import envs
 
     # plan and compile as the GPU would run, never through the CPU interpreter (set before the GEMM
     # package is imported)
-    os.environ.setdefault("NVFP4_PLUGIN_GEMM_COMPILE_ONLY", "1")
+    envs.default_gemm_compile_only()
     from .layers import deploy
 
     kw = {}

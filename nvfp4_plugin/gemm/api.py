@@ -13,10 +13,10 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 
 import torch
 
+from .. import envs
 from .. import numerics as nx
 from .._checks import check_choice, check_shape, check_tensor
 from . import triton_w4 as tk
@@ -83,15 +83,8 @@ def _mma_v2_env(cfg: W4Config):
     if not (cfg.v2 and cfg.bm >= 16) or tk.INTERPRET:
         yield
         return
-    old = os.environ.get("DISABLE_MMA_V3")
-    os.environ["DISABLE_MMA_V3"] = "1"
-    try:
+    with envs.triton_mma_v2():
         yield
-    finally:
-        if old is None:
-            os.environ.pop("DISABLE_MMA_V3", None)
-        else:
-            os.environ["DISABLE_MMA_V3"] = old
 
 
 _COUNTERS: dict = {}

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import subprocess
 import tempfile
 
-os.environ.setdefault("NVFP4_PLUGIN_GEMM_COMPILE_ONLY", "1")
+from .. import envs
+
+envs.default_gemm_compile_only()
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -55,17 +58,9 @@ def compile_config(cfg: W4Config, *, mode: int = 0, fp16: bool = False, even_k: 
     names = fn.arg_names
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in _DIV16}
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-    env = os.environ.get("DISABLE_MMA_V3")
-    if cfg.v2 and cfg.bm >= 16:
-        os.environ["DISABLE_MMA_V3"] = "1"
-    try:
+    with envs.triton_mma_v2() if cfg.v2 and cfg.bm >= 16 else contextlib.nullcontext():
         return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    finally:
-        if env is None:
-            os.environ.pop("DISABLE_MMA_V3", None)
-        else:
-            os.environ["DISABLE_MMA_V3"] = env
 
 
 def compile_gluon(cfg: W4Config, *, fp16: bool = False, split: bool = False, mode: int = 0, m: int = 256,

@@ -22,17 +22,18 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
 
+from .. import envs
+
 logger = logging.getLogger("nvfp4_plugin")
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 #: Override the config directory (e.g. to try freshly tuned files).
-ENV_CONFIG_DIR = "NVFP4_PLUGIN_GEMM_CONFIG_DIR"
+ENV_CONFIG_DIR = envs.GEMM_CONFIG_DIR
 KINDS = ("dense", "grouped", "masked")
 
 
@@ -148,7 +149,7 @@ def _num_sms(device_index: int | None) -> int:
 
 @functools.lru_cache(maxsize=None)
 def load_table(dev_key: str, config_dir: str | None = None) -> dict:
-    path = Path(config_dir or os.environ.get(ENV_CONFIG_DIR) or CONFIG_DIR) / f"{dev_key}.json"
+    path = Path(config_dir or envs.gemm_config_dir() or CONFIG_DIR) / f"{dev_key}.json"
     if not path.exists():
         logger.info("nvfp4_plugin: no tuned GEMM configs for %s (%s); using heuristics", dev_key, path)
         return {}

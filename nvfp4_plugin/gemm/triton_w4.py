@@ -27,24 +27,23 @@ interpreter, with the shift-and-mask decode written in Triton ops (``USE_ASM=0``
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .. import envs
 from .layout import BF16_SCALE_BIAS, BIT_PLANS
 
 
 #: Set to 1 to get compiled (not interpreted) kernels on a machine without a GPU, for ahead-of-time
 #: compilation and SASS inspection (:mod:`.inspect_sass`).
-ENV_COMPILE_ONLY = "NVFP4_PLUGIN_GEMM_COMPILE_ONLY"
+ENV_COMPILE_ONLY = envs.GEMM_COMPILE_ONLY
 
 
 def interpreting() -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if envs.triton_interpret():
         return True
-    return not torch.cuda.is_available() and os.environ.get(ENV_COMPILE_ONLY) != "1"
+    return not torch.cuda.is_available() and not envs.gemm_compile_only()
 
 
 INTERPRET = interpreting()

@@ -8,21 +8,22 @@ and can implement the shape, recording why each other one was skipped (logged on
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from .. import envs
+
 logger = logging.getLogger("nvfp4_plugin")
 
-ENV_LINEAR_BACKEND = "NVFP4_PLUGIN_LINEAR_BACKEND"
-ENV_MOE_BACKEND = "NVFP4_PLUGIN_MOE_BACKEND"
+ENV_LINEAR_BACKEND = envs.LINEAR_BACKEND
+ENV_MOE_BACKEND = envs.MOE_BACKEND
 #: ``w4a16`` (activations stay bf16/fp16) or ``w4a4`` (activations quantized to NVFP4 with the
 #: checkpoint's input scale). Default: ``w4a4`` on Blackwell (sm_100+: its FP4 tensor cores multiply
 #: NVFP4 activations) and ``w4a16`` elsewhere (Hopper). Checkpoints without input scales always run
 #: ``w4a16``.
-ENV_ACT_MODE = "NVFP4_PLUGIN_ACT_MODE"
+ENV_ACT_MODE = envs.ACT_MODE
 MODES = ("w4a16", "w4a4")
 
 
@@ -115,7 +116,7 @@ def choose_backend(kind: str, registry: list[type[Backend]], spec, env_var: str,
                    capability: Capability) -> tuple[type[Backend], list[tuple[str, str]]]:
     """The first backend class of ``registry`` (priority order) that runs ``spec`` on a GPU of compute
     ``capability`` (``env_var`` forces one), and (name, reason) of each one skipped before it."""
-    forced = os.environ.get(env_var)
+    forced = envs.forced_layer_backend(env_var)
     names = [b.name for b in registry]
     if forced and forced not in names:
         raise ValueError(f"{env_var}={forced!r}: unknown {kind} backend; choose from {names}")
@@ -170,7 +171,7 @@ def default_mode(capability: Capability) -> str:
 
 def resolve_mode(has_input_scale: bool, device: torch.device | None = None) -> str:
     default = default_mode(device_capability(device) if device is not None else None)
-    mode = os.environ.get(ENV_ACT_MODE, default)
+    mode = envs.act_mode(default)
     if mode not in MODES:
         raise ValueError(f"{ENV_ACT_MODE}={mode!r}: expected one of {MODES}")
     if mode == "w4a4" and not has_input_scale:

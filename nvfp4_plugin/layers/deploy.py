@@ -135,12 +135,12 @@ def compile_isolated(items: list[tuple], capability: tuple[int, int]) -> list[st
     message per item, or None. A compiler that aborts the process (LLVM's "Cannot select" does) fails
     only the item it was compiling; a fresh child goes on with the rest."""
     import json
-    import os
     import subprocess
     import sys
 
-    env = dict(os.environ, NVFP4_PLUGIN_GEMM_COMPILE_ONLY="1")
-    env.pop("TRITON_INTERPRET", None)         # compile for the GPU, never for the CPU interpreter
+    from .. import envs
+
+    env = envs.compile_worker_env()  # compile for the GPU, never for the CPU interpreter
     results: list[str | None] = [None] * len(items)
     start = 0
     while start < len(items):
@@ -183,8 +183,9 @@ def _worker() -> int:
 
 
 if __name__ == "__main__":
-    import os
     import sys
 
-    os.environ.setdefault("NVFP4_PLUGIN_GEMM_COMPILE_ONLY", "1")
+    from .. import envs
+
+    envs.default_gemm_compile_only()
     sys.exit(_worker())

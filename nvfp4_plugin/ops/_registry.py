@@ -9,16 +9,17 @@ for lack of a kernel; it is just slow.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from .. import envs
+
 logger = logging.getLogger("nvfp4_plugin")
 
 #: Force one backend for every op (e.g. ``reference``), for debugging and A/B comparisons.
-ENV_FORCE_BACKEND = "NVFP4_PLUGIN_OP_BACKEND"
+ENV_FORCE_BACKEND = envs.OP_BACKEND
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def ops() -> list[str]:
 
 def select(op: str, device: torch.device) -> tuple[OpBackend, list[tuple[str, str]]]:
     """First usable backend for ``op`` on ``device`` and the (name, reason) of each one skipped."""
-    forced = os.environ.get(ENV_FORCE_BACKEND)
+    forced = envs.forced_op_backend()
     skipped = []
     for b in _OPS[op]:
         reason = b.unavailable_reason(device)

@@ -22,15 +22,14 @@ emulator of that contract, and the bytes handed over against our reference quant
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ... import envs
 from ... import numerics as nx
 from ...weights import Nvfp4Weight
 from ..base import Backend
 
-ENV_MM_BACKEND = "NVFP4_PLUGIN_FLASHINFER_MM_BACKEND"
+ENV_MM_BACKEND = envs.FLASHINFER_MM_BACKEND
 MM_BACKENDS = ("cutlass", "cudnn")
 
 
@@ -44,7 +43,7 @@ def flashinfer_module():
 
 
 def mm_backend() -> str:
-    be = os.environ.get(ENV_MM_BACKEND, "cutlass")
+    be = envs.flashinfer_mm_backend()
     if be not in MM_BACKENDS:
         raise ValueError(f"{ENV_MM_BACKEND}={be!r}: expected one of {MM_BACKENDS}")
     return be
