@@ -1,8 +1,12 @@
 """Python side of the compiled quantization kernels (``nvfp4_plugin._C``, sources in ``csrc/``).
 
-Each public function has the signature of its twin in :mod:`nvfp4_plugin.reference`: it validates
-the arguments (errors name the argument, the expected and the actual value), allocates the outputs
-and calls the torch op ``torch.ops.nvfp4_plugin.<name>``. The ops write into the outputs they are
+Each public function has the signature of its twin in :mod:`nvfp4_plugin.reference`: it allocates
+the outputs and calls the torch ops ``torch.ops.nvfp4_plugin.<name>`` listed in :data:`CUDA_OPS`.
+Arguments are validated by the op's validator in :mod:`nvfp4_plugin._checks`: once by the public op
+in :mod:`nvfp4_plugin.ops`, which then calls ``<op>.unchecked`` here, or by the
+:func:`~nvfp4_plugin._checks.validated_by` wrapper when a function here is called directly (tests,
+benchmarks). The wrappers check only what is specific to the kernels (a CUDA device, contiguous
+outputs written in place). The ops write into the outputs they are
 given (their schemas mark them mutated), so the wrappers trace under ``torch.compile`` and replay
 in CUDA graphs: no host synchronization, allocations only through torch's allocator.
 
@@ -27,15 +31,25 @@ import logging
 
 import torch
 
+from . import _checks as ck
 from . import _ext
 from . import numerics as nx
 from . import reference
-from ._checks import (FLOAT_ACT_DTYPES, check_choice, check_global_scale, check_multiple, check_shape,
-                      check_tensor)
+from ._checks import as_global_scale, validated_by
 
 logger = logging.getLogger("nvfp4_plugin")
 
-from ._cuda_register import CUDA_OPS  # noqa: E402,F401  (ops with a compiled kernel)
+#: The table of this backend: each public op with a compiled kernel, and the torch ops (schemas of
+#: ``csrc/``) its wrapper here launches. :mod:`nvfp4_plugin._cuda_register` registers the keys.
+CUDA_OPS = {
+    "scaled_fp4_quant": ("scaled_fp4_quant",),
+    "scaled_fp4_experts_quant": ("scaled_fp4_experts_quant",),
+    "silu_and_mul_scaled_fp4_experts_quant": ("silu_and_mul_scaled_fp4_experts_quant",),
+    "silu_and_mul": ("silu_and_mul",),
+    "scaled_fp8_quant": ("scaled_fp8_quant_static", "scaled_fp8_quant_dynamic"),
+    "per_token_quant_fp8": ("per_token_quant_fp8",),
+    "per_token_group_quant_fp8": ("per_token_group_quant_fp8",),
+}
 
 MAX_EXPERTS = 8192  # csrc/quant/launch.h kMaxExperts
 GROUP_SIZES = (16, 32, 64, 128, 256, 512)
@@ -65,9 +79,7 @@ def _register_fakes() -> None:
     def noop(*args, **kwargs):
         return None
 
-    for name in ("scaled_fp4_quant", "scaled_fp4_experts_quant", "silu_and_mul_scaled_fp4_experts_quant",
-                 "silu_and_mul", "scaled_fp8_quant_static", "scaled_fp8_quant_dynamic", "per_token_quant_fp8",
-                 "per_token_group_quant_fp8"):
+    for name in sorted({t for torch_ops in CUDA_OPS.values() for t in torch_ops}):
         qualname = f"nvfp4_plugin::{name}"
         try:
             torch.library.register_fake(qualname)(noop)
@@ -83,7 +95,7 @@ def _log_fallback(op: str, why: str) -> None:
 
 def _fallback(op: str, why: str):
     _log_fallback(op, why)
-    return getattr(reference, op)
+    return getattr(reference, op).unchecked  # arguments already checked
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -95,17 +107,12 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _check_act(name: str, x, ndim, block: int) -> None:
-    check_tensor(name, x, dtypes=FLOAT_ACT_DTYPES, ndim=ndim)
-    check_multiple(name, x.shape[-1], block, "last dim (K)")
-
-
 def _check_cuda(name: str, t: torch.Tensor) -> None:
     if t.device.type != "cuda":
         raise ValueError(f"{name}: expected a CUDA tensor for the compiled kernels, got device {t.device}")
 
 
-def _int32(name: str, t: torch.Tensor) -> torch.Tensor:
+def _int32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int32).contiguous() if t.dtype != torch.int32 or not t.is_contiguous() else t
 
 
@@ -117,13 +124,12 @@ def _row_bytes_ok(x: torch.Tensor, elems: int) -> bool:
 # NVFP4
 # ------------------------------------------------------------------------------------------------
 
+@validated_by(ck.check_scaled_fp4_quant)
 def scaled_fp4_quant(input: torch.Tensor, input_global_scale: torch.Tensor, *, swizzle: bool = True,
                      scale_format: str = "e4m3"):
     """Compiled twin of :func:`nvfp4_plugin.reference.scaled_fp4_quant`."""
-    _check_act("input", input, 2, nx.NVFP4_BLOCK_SIZE)
-    check_choice("scale_format", scale_format, nx.NVFP4_SCALE_FORMATS)
     _check_cuda("input", input)
-    gs = check_global_scale("input_global_scale", input_global_scale, input.device).reshape(1).contiguous()
+    gs = as_global_scale(input_global_scale, input.device).reshape(1).contiguous()
     x = _dense(input)
     m, k = x.shape
     kb = k // nx.NVFP4_BLOCK_SIZE
@@ -135,12 +141,14 @@ def scaled_fp4_quant(input: torch.Tensor, input_global_scale: torch.Tensor, *, s
     return out, scales
 
 
+@validated_by(ck.check_scaled_fp4_experts_quant)
 def scaled_fp4_experts_quant(input: torch.Tensor, input_global_scale: torch.Tensor, expert_offsets: torch.Tensor,
                              blockscale_offsets: torch.Tensor):
     """Compiled twin of :func:`nvfp4_plugin.reference.scaled_fp4_experts_quant`."""
-    m, k, e, gs = reference.check_experts_quant_args(input, input_global_scale, expert_offsets, blockscale_offsets)
     _check_cuda("input", input)
-    gs = gs.contiguous()
+    m, k = input.shape
+    e = expert_offsets.shape[0] - 1
+    gs = input_global_scale.contiguous()
     if e > MAX_EXPERTS:
         return _fallback("scaled_fp4_experts_quant", f"E = {e} > {MAX_EXPERTS}")(
             input, input_global_scale, expert_offsets, blockscale_offsets)
@@ -149,26 +157,22 @@ def scaled_fp4_experts_quant(input: torch.Tensor, input_global_scale: torch.Tens
     out = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
     scales = torch.empty((nx.max_blockscale_rows(m, e), nx.round_up(kb, 4)), dtype=torch.float8_e4m3fn,
                          device=x.device)
-    _ops().scaled_fp4_experts_quant(x, gs, _int32("expert_offsets", expert_offsets),
-                                    _int32("blockscale_offsets", blockscale_offsets), out, scales)
+    _ops().scaled_fp4_experts_quant(x, gs, _int32(expert_offsets), _int32(blockscale_offsets), out, scales)
     return out, scales
 
 
+@validated_by(ck.check_silu_and_mul_scaled_fp4_experts_quant)
 def silu_and_mul_scaled_fp4_experts_quant(input: torch.Tensor, input_global_scale: torch.Tensor, mask: torch.Tensor,
                                           *, use_silu_and_mul: bool = True, output: torch.Tensor | None = None,
                                           output_scale: torch.Tensor | None = None):
     """Compiled twin of :func:`nvfp4_plugin.reference.silu_and_mul_scaled_fp4_experts_quant` (writes into
     ``output`` / ``output_scale`` when given)."""
-    e, max_m, k, gs, sw_shape = reference.check_masked_quant_args(input, input_global_scale, mask, use_silu_and_mul)
     _check_cuda("input", input)
-    gs = gs.contiguous()
-    for name, t, shape, dtype in (("output", output, (e, max_m, k // 2), torch.uint8),
-                                  ("output_scale", output_scale, sw_shape, torch.float8_e4m3fn)):
-        if t is not None:
-            check_tensor(name, t, dtypes=(dtype,), device=input.device)
-            check_shape(name, t, shape)
-            if not t.is_contiguous():
-                raise ValueError(f"{name}: expected a contiguous tensor (written in place), got strides {t.stride()}")
+    e, max_m, k, sw_shape = reference.masked_quant_shapes(input, use_silu_and_mul)
+    gs = input_global_scale.contiguous()
+    for name, t in (("output", output), ("output_scale", output_scale)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor (written in place), got strides {t.stride()}")
     if e > MAX_EXPERTS:
         return _fallback("silu_and_mul_scaled_fp4_experts_quant", f"E = {e} > {MAX_EXPERTS}")(
             input, input_global_scale, mask, use_silu_and_mul=use_silu_and_mul, output=output,
@@ -181,15 +185,14 @@ def silu_and_mul_scaled_fp4_experts_quant(input: torch.Tensor, input_global_scal
     if output_scale is None:
         output_scale = (torch.empty if zero_fill else torch.zeros)(sw_shape, dtype=torch.float8_e4m3fn,
                                                                     device=x.device)
-    _ops().silu_and_mul_scaled_fp4_experts_quant(x, gs, _int32("mask", mask), use_silu_and_mul, zero_fill, output,
+    _ops().silu_and_mul_scaled_fp4_experts_quant(x, gs, _int32(mask), use_silu_and_mul, zero_fill, output,
                                                  output_scale)
     return output, output_scale
 
 
+@validated_by(ck.check_silu_and_mul)
 def silu_and_mul(input: torch.Tensor) -> torch.Tensor:
     """Compiled twin of :func:`nvfp4_plugin.reference.silu_and_mul`."""
-    check_tensor("input", input, dtypes=FLOAT_ACT_DTYPES, min_ndim=1)
-    check_multiple("input", input.shape[-1], 2, "last dim (2*I)")
     _check_cuda("input", input)
     inner = input.shape[-1] // 2
     if not _row_bytes_ok(input, inner):
@@ -204,9 +207,9 @@ def silu_and_mul(input: torch.Tensor) -> torch.Tensor:
 # FP8 E4M3
 # ------------------------------------------------------------------------------------------------
 
+@validated_by(ck.check_scaled_fp8_quant)
 def scaled_fp8_quant(input: torch.Tensor, scale: torch.Tensor | None = None):
     """Compiled twin of :func:`nvfp4_plugin.reference.scaled_fp8_quant`."""
-    _check_act("input", input, 2, 1)
     _check_cuda("input", input)
     x = _dense(input)
     out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
@@ -214,14 +217,14 @@ def scaled_fp8_quant(input: torch.Tensor, scale: torch.Tensor | None = None):
         scale = torch.empty((1,), dtype=torch.float32, device=x.device)
         _ops().scaled_fp8_quant_dynamic(x, out, scale)
         return out, scale
-    scale = check_global_scale("scale", scale, input.device).reshape(1)
+    scale = as_global_scale(scale, input.device).reshape(1)
     _ops().scaled_fp8_quant_static(x, scale.contiguous(), out)
     return out, scale
 
 
+@validated_by(ck.check_per_token_quant_fp8)
 def per_token_quant_fp8(input: torch.Tensor):
     """Compiled twin of :func:`nvfp4_plugin.reference.per_token_quant_fp8`."""
-    _check_act("input", input, 2, 1)
     _check_cuda("input", input)
     m, k = input.shape
     if not _row_bytes_ok(input, k):
@@ -233,13 +236,11 @@ def per_token_quant_fp8(input: torch.Tensor):
     return out, scale
 
 
+@validated_by(ck.check_per_token_group_quant_fp8)
 def per_token_group_quant_fp8(input: torch.Tensor, group_size: int = nx.FP8_GROUP_SIZE, *,
                               column_major_scales: bool = False, scale_ue8m0: bool = False,
                               eps: float = nx.FP8_GROUP_EPS):
     """Compiled twin of :func:`nvfp4_plugin.reference.per_token_group_quant_fp8`."""
-    _check_act("input", input, 2, group_size)
-    if scale_ue8m0 and not column_major_scales:
-        raise ValueError("scale_ue8m0=True needs column_major_scales=True (the packed DeepGEMM layout)")
     _check_cuda("input", input)
     if group_size not in GROUP_SIZES:
         return _fallback("per_token_group_quant_fp8", f"group_size = {group_size}")(

@@ -1,43 +1,29 @@
-"""Registers the compiled kernels (``nvfp4_plugin._C``) as the ``"cuda"`` backend of the public ops.
+"""The compiled kernels (``nvfp4_plugin._C``) as the ``"cuda"`` backend of the public ops.
 
-Imported by :mod:`nvfp4_plugin.ops`. Imports neither the extension nor the wrappers: whether the
-extension runs on a device is decided when an op is first used there
-(:func:`nvfp4_plugin._ext.extension_runs_on` gives the reason it cannot, e.g. "compiled extension
-not built or not loadable" on a CPU machine), and :mod:`nvfp4_plugin._cuda_ops` is loaded only then.
-The compiled backend goes first: ahead of Triton, which goes ahead of the reference.
+:mod:`nvfp4_plugin.ops` reads this module (it imports nothing of ``ops``: no import cycle) and
+registers :data:`OPS` ahead of the Triton backend. The ops come from the table of
+:mod:`nvfp4_plugin._cuda_ops`, whose import is cheap: the extension itself is loaded only when an op
+first runs on a device where :func:`unavailable_reason` is None (it says why not otherwise, e.g.
+"compiled extension not built or not loadable" on a CPU machine).
 """
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Callable
 
 import torch
 
-from . import _ext
-from .ops._registry import OpBackend, register
+from . import _cuda_ops, _ext
 
-#: Ops with a compiled kernel (nvfp4_plugin._cuda_ops implements each).
-CUDA_OPS = (
-    "scaled_fp4_quant",
-    "scaled_fp4_experts_quant",
-    "silu_and_mul_scaled_fp4_experts_quant",
-    "silu_and_mul",
-    "scaled_fp8_quant",
-    "per_token_quant_fp8",
-    "per_token_group_quant_fp8",
-)
+NAME = "cuda"
+#: Ops with a compiled kernel.
+OPS = tuple(_cuda_ops.CUDA_OPS)
 
 
 def unavailable_reason(device) -> str | None:
     return _ext.extension_runs_on(torch.device(device))
 
 
-def _loader(op: str):
-    def load():
-        return getattr(importlib.import_module("nvfp4_plugin._cuda_ops"), op)
-
-    return load
-
-
-for _op in CUDA_OPS:
-    register(_op, OpBackend("cuda", unavailable_reason, _loader(_op)), before="triton")
+def load(op: str) -> Callable:
+    """The implementation of ``op``, for arguments the public op has already checked."""
+    return getattr(_cuda_ops, op).unchecked

@@ -6,15 +6,20 @@ signatures; every kernel is tested byte-for-byte against these functions.
 
 Global scales are *encode* scales everywhere (``gs = 2688 / amax``): quantize multiplies by them,
 dequantize divides by them.
+
+Each op's arguments are checked by its validator in :mod:`nvfp4_plugin._checks` (``check_<op>``),
+attached with :func:`~nvfp4_plugin._checks.validated_by`: a direct call checks them, and the public
+op, which has checked them already, calls ``<op>.unchecked``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import _checks as ck
 from . import numerics as nx
-from ._checks import (FLOAT_ACT_DTYPES, check_choice, check_global_scale, check_multiple, check_shape,
-                      check_tensor)
+from ._checks import FLOAT_ACT_DTYPES, as_global_scale, check_choice, check_shape, check_tensor, validated_by
+from ._checks import MEGA_MOE_HIDDEN_MULTIPLE  # noqa: F401  (re-exported: the staging's hidden-size multiple)
 
 # ----------------------------------------------------------------------------------------------
 # Rounding helpers
@@ -82,11 +87,11 @@ def _nvfp4_quantize(x: torch.Tensor, gs: torch.Tensor, scale_format: str = "e4m3
     return nx.pack_fp4(codes.reshape(*lead, k)), stored
 
 
-def _check_act(name: str, x, ndim: int | None = 2, dtypes=FLOAT_ACT_DTYPES, block: int = nx.NVFP4_BLOCK_SIZE):
-    check_tensor(name, x, dtypes=dtypes, ndim=ndim, min_ndim=None if ndim else 1)
-    check_multiple(name, x.shape[-1], block, "last dim (K)")
+#: Activation check (the Triton kernel modules use it by this name).
+_check_act = ck.check_activation
 
 
+@validated_by(ck.check_scaled_fp4_quant)
 def scaled_fp4_quant(input: torch.Tensor, input_global_scale: torch.Tensor, *, swizzle: bool = True,
                      scale_format: str = "e4m3"):
     """Quantize ``input[M, K]`` to NVFP4.
@@ -95,13 +100,12 @@ def scaled_fp4_quant(input: torch.Tensor, input_global_scale: torch.Tensor, *, s
     (zero padded) if ``swizzle`` else ``[M, K/16]``, float8_e4m3fn (or uint8 exponent bytes for
     ``scale_format="ue8m0"``).
     """
-    _check_act("input", input)
-    check_choice("scale_format", scale_format, nx.NVFP4_SCALE_FORMATS)
-    gs = check_global_scale("input_global_scale", input_global_scale, input.device).reshape(())
+    gs = as_global_scale(input_global_scale, input.device).reshape(())
     packed, scales = _nvfp4_quantize(input, gs, scale_format)
     return packed, (nx.swizzle_blockscale(scales) if swizzle else scales)
 
 
+@validated_by(ck.check_dequantize_fp4)
 def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *, swizzled: bool,
                    m: int, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """NVFP4 ``[..., m, k/2]`` (+ block scales, linear or swizzled) -> ``[..., m, k]`` of ``dtype``.
@@ -110,26 +114,16 @@ def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: tor
     leading index (e.g. per expert for ``[E, N, K/2]`` weights, shape ``[E]``), or one per row
     (shape ``[..., m]``, the :class:`~nvfp4_plugin.weights.Nvfp4Weight` convention).
     """
-    check_tensor("packed", packed, dtypes=(torch.uint8,), min_ndim=2)
-    check_tensor("scales", scales, dtypes=(torch.float8_e4m3fn, torch.uint8), min_ndim=2)
-    check_multiple("k", k, nx.NVFP4_BLOCK_SIZE)
     lead = tuple(packed.shape[:-2])
-    check_shape("packed", packed, (*lead, m, k // 2))
     kb = k // nx.NVFP4_BLOCK_SIZE
     if swizzled:
-        check_shape("scales", scales, (*lead, *nx.swizzled_scale_shape(m, kb)))
         scales = nx.unswizzle_blockscale(scales, m, kb)
-    else:
-        check_shape("scales", scales, (*lead, m, kb))
     gs = torch.as_tensor(global_scale, dtype=torch.float32, device=packed.device)
     if gs.numel() == 1:
         gs = gs.reshape(())
     elif tuple(gs.shape) == (*lead, m):
         gs = gs.reshape(*lead, m, 1, 1)
-    else:
-        if tuple(gs.shape) != lead:
-            raise ValueError(f"global_scale: expected one value, shape {lead} (per leading index) or "
-                             f"{(*lead, m)} (per row), got {tuple(gs.shape)}")
+    else:  # one per leading index (the validator allows nothing else)
         gs = gs.reshape(*lead, 1, 1, 1)
     vals = nx.e2m1_decode(nx.unpack_fp4(packed)).reshape(*lead, m, kb, nx.NVFP4_BLOCK_SIZE)
     out = (vals * nx.nvfp4_scale_to_float(scales)[..., None]) / gs
@@ -142,20 +136,7 @@ def _expert_of_rows(expert_offsets: torch.Tensor, m: int) -> torch.Tensor:
     return torch.searchsorted(expert_offsets[1:].to(torch.int64).contiguous(), rows, right=True)
 
 
-def check_experts_quant_args(input, input_global_scale, expert_offsets, blockscale_offsets):
-    """Argument checks of scaled_fp4_experts_quant (shared by every implementation): (M, K, E, gs)."""
-    _check_act("input", input)
-    m, k = input.shape
-    check_tensor("expert_offsets", expert_offsets, dtypes=(torch.int32, torch.int64), ndim=1, device=input.device)
-    e = expert_offsets.shape[0] - 1
-    if e < 1:
-        raise ValueError(f"expert_offsets: expected shape (E+1,) with E >= 1, got {tuple(expert_offsets.shape)}")
-    check_tensor("blockscale_offsets", blockscale_offsets, dtypes=(torch.int32, torch.int64), device=input.device)
-    check_shape("blockscale_offsets", blockscale_offsets, (e + 1,))
-    gs = check_global_scale("input_global_scale", input_global_scale, input.device, count=e)
-    return m, k, e, gs
-
-
+@validated_by(ck.check_scaled_fp4_experts_quant)
 def scaled_fp4_experts_quant(input: torch.Tensor, input_global_scale: torch.Tensor, expert_offsets: torch.Tensor,
                              blockscale_offsets: torch.Tensor):
     """Quantize rows grouped by expert, each expert with its own global scale.
@@ -165,7 +146,9 @@ def scaled_fp4_experts_quant(input: torch.Tensor, input_global_scale: torch.Tens
     expert e's scales are swizzled in the rows starting at ``blockscale_offsets[e]`` (a multiple of
     128). Rows past ``expert_offsets[E]`` belong to no expert and stay zero.
     """
-    m, k, e, gs = check_experts_quant_args(input, input_global_scale, expert_offsets, blockscale_offsets)
+    m, k = input.shape
+    e = expert_offsets.shape[0] - 1
+    gs = input_global_scale
     kb = k // nx.NVFP4_BLOCK_SIZE
     expert = _expert_of_rows(expert_offsets, m)
     valid = expert < e
@@ -186,29 +169,21 @@ def scaled_fp4_experts_quant(input: torch.Tensor, input_global_scale: torch.Tens
     return packed, nx.swizzle_blockscale(linear[:rows_total].view(torch.float8_e4m3fn))
 
 
+@validated_by(ck.check_silu_and_mul)
 def silu_and_mul(input: torch.Tensor) -> torch.Tensor:
     """``silu(input[..., :I]) * input[..., I:]`` in fp32 (fixed op sequence), rounded to input dtype."""
-    check_tensor("input", input, dtypes=FLOAT_ACT_DTYPES, min_ndim=1)
-    check_multiple("input", input.shape[-1], 2, "last dim (2*I)")
     return nx.silu_and_mul_fp32(input)
 
 
-def check_masked_quant_args(input, input_global_scale, mask, use_silu_and_mul: bool):
-    """Argument checks of silu_and_mul_scaled_fp4_experts_quant (shared by every implementation):
-    (E, max_m, K quantized, gs, swizzled scale shape)."""
-    check_tensor("input", input, dtypes=FLOAT_ACT_DTYPES, ndim=3)
+def masked_quant_shapes(input: torch.Tensor, use_silu_and_mul: bool):
+    """Shapes of silu_and_mul_scaled_fp4_experts_quant for a checked ``input [E, max_m, width]``:
+    (E, max_m, K quantized, swizzled scale shape ``[E, round_up(max_m,128), round_up(K/16,4)]``)."""
     e, max_m, width = input.shape
     k = width // 2 if use_silu_and_mul else width
-    if use_silu_and_mul:
-        check_multiple("input", width, 2 * nx.NVFP4_BLOCK_SIZE, "last dim (2*I)")
-    else:
-        check_multiple("input", width, nx.NVFP4_BLOCK_SIZE, "last dim (K)")
-    check_tensor("mask", mask, dtypes=(torch.int32, torch.int64), device=input.device)
-    check_shape("mask", mask, (e,))
-    gs = check_global_scale("input_global_scale", input_global_scale, input.device, count=e)
-    return e, max_m, k, gs, (e, *nx.swizzled_scale_shape(max_m, k // nx.NVFP4_BLOCK_SIZE))
+    return e, max_m, k, (e, *nx.swizzled_scale_shape(max_m, k // nx.NVFP4_BLOCK_SIZE))
 
 
+@validated_by(ck.check_silu_and_mul_scaled_fp4_experts_quant)
 def silu_and_mul_scaled_fp4_experts_quant(input: torch.Tensor, input_global_scale: torch.Tensor, mask: torch.Tensor,
                                           *, use_silu_and_mul: bool = True, output: torch.Tensor | None = None,
                                           output_scale: torch.Tensor | None = None):
@@ -219,16 +194,13 @@ def silu_and_mul_scaled_fp4_experts_quant(input: torch.Tensor, input_global_scal
     [E, round_up(max_m,128), round_up(I/16,4)])`` swizzled per expert. Rows at or past ``mask[e]``
     are left untouched: as given in ``output``/``output_scale``, else zero.
     """
-    e, max_m, k, gs, sw_shape = check_masked_quant_args(input, input_global_scale, mask, use_silu_and_mul)
+    e, max_m, k, sw_shape = masked_quant_shapes(input, use_silu_and_mul)
+    gs = input_global_scale
     kb = k // nx.NVFP4_BLOCK_SIZE
     if output is None:
         output = torch.zeros((e, max_m, k // 2), dtype=torch.uint8, device=input.device)
     if output_scale is None:
         output_scale = torch.zeros(sw_shape, dtype=torch.float8_e4m3fn, device=input.device)
-    check_tensor("output", output, dtypes=(torch.uint8,))
-    check_shape("output", output, (e, max_m, k // 2))
-    check_tensor("output_scale", output_scale, dtypes=(torch.float8_e4m3fn,))
-    check_shape("output_scale", output_scale, sw_shape)
 
     x = nx.silu_and_mul_fp32(input) if use_silu_and_mul else input
     packed, scales = _nvfp4_quantize(x, gs[:, None, None])
@@ -239,20 +211,19 @@ def silu_and_mul_scaled_fp4_experts_quant(input: torch.Tensor, input_global_scal
     return out, nx.swizzle_blockscale(lin).view(torch.float8_e4m3fn)
 
 
+@validated_by(ck.check_fake_quant_nvfp4)
 def fake_quant_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None, stochastic_rounding: bool = False, *,
                      seed: int | None = None) -> torch.Tensor:
     """NVFP4 quantize + dequantize over the last dim (any leading shape), same dtype out.
 
     ``global_scale`` defaults to the tensor's dynamic scale :func:`numerics.tensor_global_scale`.
     """
-    _check_act("x", x, ndim=None)
-    gs = nx.tensor_global_scale(x) if global_scale is None else \
-        check_global_scale("global_scale", global_scale, x.device).reshape(())
+    gs = nx.tensor_global_scale(x) if global_scale is None else as_global_scale(global_scale, x.device).reshape(())
     gen = _generator(x.device, seed) if stochastic_rounding else None
     packed, scales = _nvfp4_quantize(x, gs, generator=gen)
     lead, k = x.shape[:-1], x.shape[-1]
-    flat = dequantize_fp4(packed.reshape(-1, k // 2), scales.reshape(-1, k // 16), gs, swizzled=False,
-                          m=packed.numel() // max(k // 2, 1), k=k)
+    flat = dequantize_fp4.unchecked(packed.reshape(-1, k // 2), scales.reshape(-1, k // 16), gs, swizzled=False,
+                                    m=packed.numel() // max(k // 2, 1), k=k)
     return flat.reshape(*lead, k).to(x.dtype)
 
 
@@ -265,6 +236,10 @@ def mx_scale_exponent(amax: torch.Tensor, fmt: str, scale_recipe: str = nx.DEFAU
     """Unbiased E8M0 exponent per block from its fp32 amax (see the numerics docstring), int32."""
     check_choice("format", fmt, nx.MX_ELEMENT_FORMATS)
     check_choice("scale_recipe", scale_recipe, nx.MX_SCALE_RECIPES)
+    return _mx_scale_exponent(amax, fmt, scale_recipe)
+
+
+def _mx_scale_exponent(amax: torch.Tensor, fmt: str, scale_recipe: str) -> torch.Tensor:
     emax = {"e2m1": nx.E2M1_EMAX, "e4m3": nx.E4M3_EMAX, "e5m2": nx.E5M2_EMAX}[fmt]
     fmax = {"e2m1": nx.E2M1_MAX, "e4m3": nx.E4M3_MAX, "e5m2": nx.E5M2_MAX}[fmt]
     pos = amax > 0
@@ -285,11 +260,17 @@ def mx_quantize(x: torch.Tensor, fmt: str, *, scale_recipe: str = nx.DEFAULT_MX_
 
     Elements are uint8 E2M1 codes ``[..., K]`` (unpacked) for ``"e2m1"`` and float8 for FP8.
     """
-    _check_act("x", x, ndim=None, block=nx.MX_BLOCK_SIZE)
+    ck.check_activation("x", x, ndim=None, block=nx.MX_BLOCK_SIZE)
     check_choice("format", fmt, nx.MX_ELEMENT_FORMATS)
+    check_choice("scale_recipe", scale_recipe, nx.MX_SCALE_RECIPES)
+    ck.check_seed(seed, stochastic_rounding)
+    return _mx_quantize(x, fmt, scale_recipe=scale_recipe, stochastic_rounding=stochastic_rounding, seed=seed)
+
+
+def _mx_quantize(x: torch.Tensor, fmt: str, *, scale_recipe: str, stochastic_rounding: bool, seed: int | None):
     *lead, k = x.shape
     blocks = x.reshape(*lead, k // nx.MX_BLOCK_SIZE, nx.MX_BLOCK_SIZE).float()
-    e = mx_scale_exponent(nx.nan_ignoring_amax(blocks, dim=-1, inf_as_max=True), fmt, scale_recipe)
+    e = _mx_scale_exponent(nx.nan_ignoring_amax(blocks, dim=-1, inf_as_max=True), fmt, scale_recipe)
     scaled = blocks * nx.exp2_int(-e)[..., None]
     gen = _generator(x.device, seed) if stochastic_rounding else None
     elems = _encode_elements(scaled, fmt, gen)
@@ -303,32 +284,37 @@ def mx_dequantize(elements: torch.Tensor, scales: torch.Tensor, fmt: str, dtype:
     return (vals * nx.ue8m0_to_float(scales)[..., None]).reshape(*lead, k).to(dtype)
 
 
+@validated_by(ck.check_mxfp4_quantize)
 def mxfp4_quantize(x: torch.Tensor, *, scale_recipe: str = nx.DEFAULT_MX_SCALE_RECIPE,
                    stochastic_rounding: bool = False, seed: int | None = None):
     """MXFP4: ``(packed uint8 [..., K/2], E8M0 bytes [..., K/32])``."""
-    codes, scales = mx_quantize(x, "e2m1", scale_recipe=scale_recipe, stochastic_rounding=stochastic_rounding,
-                                seed=seed)
+    codes, scales = _mx_quantize(x, "e2m1", scale_recipe=scale_recipe, stochastic_rounding=stochastic_rounding,
+                                 seed=seed)
     return nx.pack_fp4(codes), scales
 
 
+@validated_by(ck.check_mxfp8_quantize)
 def mxfp8_quantize(x: torch.Tensor, format: str = "e4m3", *, scale_recipe: str = nx.DEFAULT_MX_SCALE_RECIPE,
                    stochastic_rounding: bool = False, seed: int | None = None):
     """MXFP8 (``"e4m3"`` or ``"e5m2"``): ``(float8 [..., K], E8M0 bytes [..., K/32])``."""
-    check_choice("format", format, ("e4m3", "e5m2"))
-    return mx_quantize(x, format, scale_recipe=scale_recipe, stochastic_rounding=stochastic_rounding, seed=seed)
+    return _mx_quantize(x, format, scale_recipe=scale_recipe, stochastic_rounding=stochastic_rounding, seed=seed)
 
 
+@validated_by(ck.check_fake_quant_mxfp4)
 def fake_quant_mxfp4(x: torch.Tensor, stochastic_rounding: bool = False, *,
                      scale_recipe: str = nx.DEFAULT_MX_SCALE_RECIPE, seed: int | None = None) -> torch.Tensor:
-    codes, scales = mx_quantize(x, "e2m1", scale_recipe=scale_recipe, stochastic_rounding=stochastic_rounding,
-                                seed=seed)
+    """MXFP4 quantize + dequantize over the last dim (a multiple of 32), same dtype out."""
+    codes, scales = _mx_quantize(x, "e2m1", scale_recipe=scale_recipe, stochastic_rounding=stochastic_rounding,
+                                 seed=seed)
     return mx_dequantize(codes, scales, "e2m1", x.dtype)
 
 
+@validated_by(ck.check_fake_quant_mxfp8)
 def fake_quant_mxfp8(x: torch.Tensor, format: str = "e4m3", stochastic_rounding: bool = False, *,
                      scale_recipe: str = nx.DEFAULT_MX_SCALE_RECIPE, seed: int | None = None) -> torch.Tensor:
-    elems, scales = mxfp8_quantize(x, format, scale_recipe=scale_recipe, stochastic_rounding=stochastic_rounding,
-                                   seed=seed)
+    """MXFP8 (``"e4m3"`` or ``"e5m2"``) quantize + dequantize over the last dim, same dtype out."""
+    elems, scales = _mx_quantize(x, format, scale_recipe=scale_recipe, stochastic_rounding=stochastic_rounding,
+                                 seed=seed)
     return mx_dequantize(elems, scales, format, x.dtype)
 
 
@@ -341,24 +327,24 @@ def _inverse_or_zero(s: torch.Tensor) -> torch.Tensor:
     return torch.where(s == 0, torch.zeros_like(s), 1.0 / torch.where(s == 0, torch.ones_like(s), s))
 
 
+@validated_by(ck.check_scaled_fp8_quant)
 def scaled_fp8_quant(input: torch.Tensor, scale: torch.Tensor | None = None):
     """Per-tensor FP8 E4M3: static with ``scale`` (decode scale, fp32) or dynamic (``amax / 448``).
 
     Returns ``(float8_e4m3fn [M, K], scale [1])``.
     """
-    _check_act("input", input, block=1)
     if scale is None:
         amax = nx.nan_ignoring_amax(input.reshape(-1), dim=0, inf_as_max=True) if input.numel() else \
             torch.zeros((), device=input.device)
         scale = (amax / torch.full_like(amax, nx.E4M3_MAX)).reshape(1)  # tensor/tensor: IEEE on CUDA too
     else:
-        scale = check_global_scale("scale", scale, input.device).reshape(1)
+        scale = as_global_scale(scale, input.device).reshape(1)
     return nx.e4m3_saturate(input.float() * _inverse_or_zero(scale)), scale
 
 
+@validated_by(ck.check_per_token_quant_fp8)
 def per_token_quant_fp8(input: torch.Tensor):
     """Per-token dynamic FP8 E4M3: ``s_row = amax_row / 448``; returns ``(q [M, K], s [M, 1])``."""
-    _check_act("input", input, block=1)
     if input.shape[1]:
         amax = nx.nan_ignoring_amax(input, dim=-1, inf_as_max=True)[:, None]
         s = amax / torch.full_like(amax, nx.E4M3_MAX)  # tensor/tensor: CUDA turns t / 448.0 into t * (1/448)
@@ -384,6 +370,7 @@ def alloc_fp8_group_scales(m: int, k: int, group_size: int, *, column_major: boo
     return torch.zeros((cols, nx.round_up(rows, 4)), dtype=dtype, device=device).t()[:rows]
 
 
+@validated_by(ck.check_per_token_group_quant_fp8)
 def per_token_group_quant_fp8(input: torch.Tensor, group_size: int = nx.FP8_GROUP_SIZE, *,
                               column_major_scales: bool = False, scale_ue8m0: bool = False,
                               eps: float = nx.FP8_GROUP_EPS):
@@ -393,9 +380,6 @@ def per_token_group_quant_fp8(input: torch.Tensor, group_size: int = nx.FP8_GROU
     storage with M padded to 4 if ``column_major_scales``), or with ``scale_ue8m0`` int32
     ``[M, ceil(K/group/4)]`` holding 4 UE8M0 bytes per word (group g in byte g % 4), column-major.
     """
-    _check_act("input", input, block=group_size)
-    if scale_ue8m0 and not column_major_scales:
-        raise ValueError("scale_ue8m0=True needs column_major_scales=True (the packed DeepGEMM layout)")
     m, k = input.shape
     groups = input.reshape(m, k // group_size, group_size).float()
     a = nx.nan_ignoring_amax(groups, dim=-1, inf_as_max=True).clamp(min=eps)
@@ -526,35 +510,14 @@ def nvfp4_fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w13_scale: t
 # the byte-exact Triton twin is nvfp4_plugin.triton.staging.
 # ----------------------------------------------------------------------------------------------
 
-MEGA_MOE_HIDDEN_MULTIPLE = 128
 #: Encode global scale of the staging. The MegaMoE GEMM consumes the UE4M3 block scales as they are
 #: and has no per-tensor factor (seed 004 computes ``amax / 6`` directly), so the NVFP4 recipe runs
 #: with ``gs = 1``: ``s = e4m3(vmax * fp32(1/6))``, ``q = E2M1(x / s)``, ``x_hat = e2m1(q) * s``.
 MEGA_MOE_GLOBAL_SCALE = 1.0
 
 
-def check_mega_moe_staging_args(hidden_states, topk_weights, topk_ids, x_fp4, x_sf, topk_idx_out,
-                                topk_weights_out) -> None:
-    """Validation shared by the reference and the Triton staging (metadata only, no host sync)."""
-    check_tensor("hidden_states", hidden_states, dtypes=FLOAT_ACT_DTYPES, ndim=2)
-    m, k = hidden_states.shape
-    dev = hidden_states.device
-    check_multiple("hidden_states", k, MEGA_MOE_HIDDEN_MULTIPLE, "last dim (hidden_size)")
-    check_tensor("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64), ndim=2, device=dev)
-    if topk_ids.shape[0] != m:
-        raise ValueError(f"topk_ids: expected {m} rows (one per token of hidden_states), got shape "
-                         f"{tuple(topk_ids.shape)}")
-    top = tuple(topk_ids.shape)
-    check_tensor("topk_weights", topk_weights, dtypes=FLOAT_ACT_DTYPES, device=dev)
-    check_shape("topk_weights", topk_weights, top)
-    check_tensor("x_fp4", x_fp4, dtypes=(torch.uint8,), device=dev)
-    check_shape("x_fp4", x_fp4, (m, k // 2))
-    check_tensor("x_sf", x_sf, dtypes=(torch.int32,), device=dev)
-    check_shape("x_sf", x_sf, (m, k // 64))
-    check_tensor("topk_idx_out", topk_idx_out, dtypes=(torch.int64,), device=dev)
-    check_shape("topk_idx_out", topk_idx_out, top)
-    check_tensor("topk_weights_out", topk_weights_out, dtypes=FLOAT_ACT_DTYPES, device=dev)
-    check_shape("topk_weights_out", topk_weights_out, top)
+#: Validation of the staging (the Triton staging uses it by this name; metadata only, no host sync).
+check_mega_moe_staging_args = ck.check_stage_deepseek_v4_mega_moe_inputs
 
 
 def pack_mega_moe_scales(scales: torch.Tensor) -> torch.Tensor:
@@ -571,6 +534,7 @@ def unpack_mega_moe_scales(x_sf: torch.Tensor) -> torch.Tensor:
     return b.reshape(*x_sf.shape[:-1], -1).view(torch.float8_e4m3fn)
 
 
+@validated_by(ck.check_stage_deepseek_v4_mega_moe_inputs)
 def stage_deepseek_v4_mega_moe_inputs(hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                                       topk_ids: torch.Tensor, x_fp4: torch.Tensor, x_sf: torch.Tensor,
                                       topk_idx_out: torch.Tensor, topk_weights_out: torch.Tensor) -> None:
@@ -596,7 +560,6 @@ def stage_deepseek_v4_mega_moe_inputs(hidden_states: torch.Tensor, topk_weights:
       * elements are multiplied by the IEEE reciprocal ``1 / s`` (the seed divides with Triton's
         approximate ``/``), and ``-0.0`` encodes as 0x8 (the seed's ``scaled < 0`` test gives +0).
     """
-    check_mega_moe_staging_args(hidden_states, topk_weights, topk_ids, x_fp4, x_sf, topk_idx_out, topk_weights_out)
     if hidden_states.shape[0] == 0:
         return
     gs = torch.full((), MEGA_MOE_GLOBAL_SCALE, dtype=torch.float32, device=hidden_states.device)

@@ -1,7 +1,9 @@
-"""Registers the Triton kernels as the ``"triton"`` backend of the public ops.
+"""The Triton kernels as the ``"triton"`` backend of the public ops.
 
-Imported by :mod:`nvfp4_plugin.ops`. Imports neither Triton nor the kernel modules: availability is
-checked when an op is first used on a device, and the kernel module is loaded only then.
+:mod:`nvfp4_plugin.ops` reads this module (it imports nothing of ``ops``: no import cycle) and
+registers :data:`TRITON_OPS` after the compiled backend and before the reference. Imports neither
+Triton nor the kernel modules: availability is checked when an op is first used on a device, and
+the kernel module is loaded only then.
 """
 
 from __future__ import annotations
@@ -9,30 +11,26 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+from collections.abc import Callable
 
 import torch
 
-from .. import reference
-from ..ops._registry import OpBackend, register
+from .._checks import unchecked
 
-#: op name -> module of nvfp4_plugin.triton that implements it (same signature as the reference).
+NAME = "triton"
+
+#: The table of this backend: public op -> (module of nvfp4_plugin.triton, function) implementing it
+#: with the reference's signature (nvfp4_forward etc. keep the seed's names).
 TRITON_OPS = {
-    "fake_quant_nvfp4": "nvfp4",
-    "scaled_fp4_quant": "nvfp4",
-    "fake_quant_mxfp4": "mx",
-    "fake_quant_mxfp8": "mx",
-    "mxfp4_quantize": "mx",
-    "mxfp8_quantize": "mx",
-    "stage_deepseek_v4_mega_moe_inputs": "staging",
+    "fake_quant_nvfp4": ("nvfp4", "nvfp4_forward"),
+    "scaled_fp4_quant": ("nvfp4", "scaled_fp4_quant"),
+    "fake_quant_mxfp4": ("mx", "mxfp4_forward"),
+    "fake_quant_mxfp8": ("mx", "mxfp8_forward"),
+    "mxfp4_quantize": ("mx", "mxfp4_quantize"),
+    "mxfp8_quantize": ("mx", "mxfp8_quantize"),
+    "stage_deepseek_v4_mega_moe_inputs": ("staging", "stage_deepseek_v4_mega_moe_inputs"),
 }
-
-#: Reference backends for ops that nvfp4_plugin.ops does not list (yet); registering an existing
-#: name again is a no-op, so this is harmless once ops.PUBLIC_OPS includes them.
-EXTRA_REFERENCE_OPS = ("stage_deepseek_v4_mega_moe_inputs",)
-
-#: nvfp4_forward etc. are named after the seed; the public ops use the reference's names.
-_IMPL_NAMES = {"fake_quant_nvfp4": "nvfp4_forward", "fake_quant_mxfp4": "mxfp4_forward",
-               "fake_quant_mxfp8": "mxfp8_forward"}
+OPS = tuple(TRITON_OPS)
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,16 +51,9 @@ def unavailable_reason(device: torch.device) -> str | None:
     return _triton_import_error()
 
 
-def _loader(op: str, module: str):
-    def load():
-        mod = importlib.import_module(f"nvfp4_plugin.triton.{module}")
-        return getattr(mod, _IMPL_NAMES.get(op, op))
-
-    return load
-
-
-for _op in EXTRA_REFERENCE_OPS:
-    register(_op, OpBackend("reference", lambda device: None, functools.partial(getattr, reference, _op)))
-
-for _op, _mod in TRITON_OPS.items():
-    register(_op, OpBackend("triton", unavailable_reason, _loader(_op, _mod)))
+def load(op: str) -> Callable:
+    """The implementation of ``op`` (imports its kernel module). The kernel functions still check
+    their arguments themselves (they are called directly too); a function that comes to wear
+    :func:`nvfp4_plugin._checks.validated_by` is used without its checks here."""
+    module, name = TRITON_OPS[op]
+    return unchecked(getattr(importlib.import_module(f"nvfp4_plugin.triton.{module}"), name))
