@@ -99,8 +99,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "quantizer (same bytes either way); read once per process"),
     EnvVar("NVFP4_PLUGIN_CUDA_ARCHS", "';'-separated targets such as 9.0a;10.0a", "9.0a;10.0a;10.3a", "setup.py",
            "architectures the CUDA extension is built for"),
-    EnvVar("NVFP4_PLUGIN_SKIP_CUDA", "1, or unset/0", "the extension is built where nvcc is found", "setup.py",
-           "1: pip install / setup.py never builds the CUDA extension"),
+    EnvVar("NVFP4_PLUGIN_SKIP_CUDA", "any value but empty or 0", "the extension is built where torch has CUDA "
+           "and a CUDA toolkit is found", "setup.py", "set: pip install / setup.py never builds the CUDA extension"),
+    EnvVar("NVFP4_PLUGIN_REQUIRE_EXT_BUILD", "any value but empty or 0", "a build that cannot compile the extension "
+           "goes on without it", "setup.py", "set: such a build fails instead (the serving image's docker/build.sh)"),
 )}
 
 
