@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/$(PIP_INSTALL) --upgrade pip
 	$(VENV)/bin/$(PIP_INSTALL) "$(TORCH_SPEC)"
-	$(VENV)/bin/$(PIP_INSTALL) -e ".[test]"
+	$(VENV)/bin/$(PIP_INSTALL) -e ".[test,demo]"
 	touch $@
 
 demo: $(VENV)/.installed

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
+from pathlib import Path
 
 import torch
 
@@ -94,24 +95,12 @@ def info(args=None) -> int:
 
 
 def demo(args) -> int:
-    """Quantize a deterministic random matrix to NVFP4 and back, and report the error."""
-    from . import numerics as nx
-    from . import ops
+    """A real model quantized by our quantizer, generating through our layers (nvfp4_plugin/demo.py)."""
+    from .demo import DemoOptions, run_demo
 
-    info()
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    gen = torch.Generator(device="cpu").manual_seed(args.seed)
-    x = torch.randn(args.m, args.k, generator=gen).to(device=device, dtype=torch.bfloat16)
-    gs = nx.tensor_global_scale(x).reshape(1)
-    packed, scales = ops.scaled_fp4_quant(x, gs)
-    back = ops.dequantize_fp4(packed, scales, gs, swizzled=True, m=args.m, k=args.k, dtype=torch.float32)
-    err = (back - x.float()).norm() / x.float().norm()
-    print(f"\ndemo: x[{args.m}, {args.k}] bf16 -> NVFP4 packed {tuple(packed.shape)} uint8 + "
-          f"swizzled scales {tuple(scales.shape)} e4m3, global scale {gs.item():.4g}")
-    print(f"demo: {x.numel() * 2} bytes -> {packed.numel() + scales.numel() + 4} bytes; "
-          f"relative RMS error after dequantize: {err.item():.4f}")
-    print(f"demo: first block codes {nx.unpack_fp4(packed[0, :8]).tolist()}")
-    return 0
+    return run_demo(DemoOptions(cache_dir=Path(args.cache_dir), model_dir=args.model_dir, method=args.method,
+                                weights_only=not args.w4a4, max_new_tokens=args.max_new_tokens, serve=args.serve,
+                                port=args.port, device=args.device))
 
 
 class _Terminated(KeyboardInterrupt):
@@ -263,8 +252,15 @@ def check(args) -> int:
     return 0
 
 
-#: ``nvfp4-plugin bench STUDY`` -> the module of ``benchmarks/`` and its subcommand.
-BENCH_STUDIES = {"e2e": ("benchmarks.bench_e2e", "run")}
+#: ``nvfp4-plugin bench STUDY`` -> the module of ``benchmarks/`` and the arguments that come first.
+BENCH_STUDIES = {
+    "e2e": ("benchmarks.bench_e2e", ("run",)),          # served tokens/s, ours vs the engines' NVFP4 and bf16
+    "gemm": ("benchmarks.bench_gemm", ()),              # FP4-weight GEMMs vs cuBLAS, torch._grouped_mm, Marlin
+    "quant": ("benchmarks.bench_quant", ()),            # compiled quantizers vs device copy and the peers
+    "triton-quant": ("benchmarks.bench_triton_quant", ()),  # Triton MX / NVFP4 quantizers
+    "quantize": ("benchmarks.bench_quantize", ()),      # the offline quantizer on the 8B shape
+    "accuracy": ("benchmarks.bench_accuracy", ()),      # perplexity of real models per quantizer method
+}
 
 
 def bench(args) -> int:
@@ -273,12 +269,12 @@ def bench(args) -> int:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    module, subcmd = BENCH_STUDIES[args.study]
+    module, first = BENCH_STUDIES[args.study]
     if not (root / (module.replace(".", "/") + ".py")).exists():
         print(f"nvfp4-plugin bench {args.study}: needs a source checkout of nvfp4-plugin ({module} is not installed "
               f"with the package; looked in {root})", file=sys.stderr)
         return 2
-    return subprocess.call([sys.executable, "-m", module, subcmd, *args.args], cwd=root)
+    return subprocess.call([sys.executable, "-m", module, *first, *args.args], cwd=root)
 
 
 def main(argv=None) -> int:
@@ -302,10 +298,20 @@ def main(argv=None) -> int:
                    help="dense layer shape (repeatable; default: the Llama-3-8B and Qwen3-30B-A3B projections)")
     p.add_argument("--moe", action="append", metavar="E,H,I,TOPK", type=lambda t: _shape(t, 4, "--moe"),
                    help="fused-MoE shape (repeatable; default 128,2048,768,8)")
-    p = sub.add_parser("demo", help="info, then quantize/dequantize a random matrix")
-    p.add_argument("--m", type=int, default=256)
-    p.add_argument("--k", type=int, default=4096)
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("demo", help="a real model (SmolLM2-135M-Instruct from PyPI) quantized to NVFP4, generating "
+                                    "through our layers next to bf16, with perplexities; on a GPU with vLLM also "
+                                    "served with --quantization nvfp4")
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "nvfp4-plugin"),
+                   help="where the fetched model and its NVFP4 checkpoint are kept (default ~/.cache/nvfp4-plugin)")
+    p.add_argument("--model-dir", type=Path, help="a bf16 Hugging Face folder to use instead of SmolLM2")
+    p.add_argument("--method", choices=("rtn", "mse"), default="mse", help="quantizer method (default mse)")
+    p.add_argument("--w4a4", action="store_true", help="a W4A4 checkpoint (activation scales) instead of W4A16")
+    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--serve", choices=("auto", "on", "off"), default="auto",
+                   help="serve the checkpoint with vllm serve --quantization nvfp4 (auto: when a GPU and vLLM "
+                        "are present)")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
 
     from .checkpoints import formats, naming
     from .checkpoints.random_model import ARCHS, SIZES
@@ -390,8 +396,8 @@ def main(argv=None) -> int:
     p.add_argument("dir")
     p.add_argument("--no-block-scales", action="store_true", help="skip reading block-scale values")
 
-    p = sub.add_parser("bench", help="benchmark studies from a source checkout (e2e: served tokens/s; see "
-                                     "benchmarks/bench_e2e.py)")
+    p = sub.add_parser("bench", help="benchmark studies from a source checkout (benchmarks/README.md): e2e, gemm, "
+                                     "quant, triton-quant, quantize, accuracy; `nvfp4-plugin bench STUDY --help`")
     p.add_argument("study", choices=BENCH_STUDIES)
     p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the study (e.g. --out DIR --engines vllm)")
 

@@ -1,5 +1,5 @@
 """Reference backend: weights stay NVFP4 in device memory; each forward dequantizes them and runs a
-plain bf16/fp16 matmul (MoE: ``torch._grouped_mm`` over tokens sorted by expert, no host sync).
+plain bf16/fp16 matmul (a dense layer on a CPU dequantizes once, at load) (MoE: ``torch._grouped_mm`` over tokens sorted by expert, no host sync).
 
 Slow but simple and exact to the numerics contract; every faster backend is compared with it.
 Pure torch ops only, so it traces under torch.compile and replays in CUDA graphs (constants such
@@ -46,6 +46,11 @@ class ReferenceLinear(Backend):
         mode = spec.mode
         t = _weight_tensors("w_", weight)
         t["e2m1_table"] = _e2m1_table(weight.packed.device)
+        if weight.packed.device.type == "cpu":
+            # On a CPU this backend is the one that runs (CPU engines, the demo): the weight is dequantized
+            # once here instead of at every forward; the same values either way. GPUs keep the NVFP4 bytes only.
+            t["w_dequantized"] = dequantize(weight.packed, weight.block_scale, weight.global_scale, t["e2m1_table"],
+                                            spec.act_dtype)
         if mode == "w4a4":
             t["input_global_scale"] = input_global_scale.reshape(())
         return t, mode
@@ -53,7 +58,9 @@ class ReferenceLinear(Backend):
     def apply(self, t: dict, mode: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if mode == "w4a4":
             x = fake_quant_rows(x, t["input_global_scale"].expand(x.shape[:-1]), t["e2m1_table"])
-        w = dequantize(t["w_packed"], t["w_block_scale"], t["w_global_scale"], t["e2m1_table"], x.dtype)
+        w = t.get("w_dequantized")
+        if w is None or w.dtype != x.dtype:
+            w = dequantize(t["w_packed"], t["w_block_scale"], t["w_global_scale"], t["e2m1_table"], x.dtype)
         return torch.nn.functional.linear(x, w, bias)
 
 
