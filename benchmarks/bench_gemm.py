@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from benchmarks.common import device_copy_bandwidth, time_calls  # noqa: E402
 from nvfp4_plugin.gemm import W4Config, select_config, w4_dequantize, w4_grouped, w4_linear, w4_masked  # noqa: E402
 from nvfp4_plugin.gemm.layout import HopperW4Layout, PackedW4Weight  # noqa: E402
 
@@ -122,79 +123,6 @@ def routing(tokens: int, num_experts: int, top_k: int, seed: int, device=None):
 def _sync():
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-
-
-def _wall_time(fn, reps=3) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
-
-
-def event_time(fn, reps=3) -> float:
-    """Median seconds of one call (events, after a warm-up)."""
-    if DEVICE != "cuda":
-        return _wall_time(fn, reps)
-    fn()
-    _sync()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        _sync()
-        ts.append(s.elapsed_time(e) / 1e3)
-    return statistics.median(ts)
-
-
-def graph_time(calls: list, *, target_s: float = 4e-3, replays: int = 5, max_calls: int = 200) -> float:
-    """Median seconds per call of a CUDA graph replaying ``calls`` round-robin (at least once each)."""
-    if DEVICE != "cuda":
-        return statistics.median(_wall_time(c, 1) for c in calls)
-    for c in calls:
-        c()
-    _sync()
-    t0 = event_time(calls[0], reps=2)
-    n = max(len(calls), min(max_calls, math.ceil(target_s / max(t0, 1e-6))))
-    n = math.ceil(n / len(calls)) * len(calls)
-    g = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:    # warm-up on the capture stream
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    _sync()
-    with torch.cuda.graph(g):
-        for i in range(n):
-            calls[i % len(calls)]()
-    g.replay()
-    _sync()
-    ts = []
-    for _ in range(replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        _sync()
-        ts.append(s.elapsed_time(e) / 1e3 / n)
-    del g
-    return statistics.median(ts)
-
-
-def copy_bandwidth(nbytes: int = 2 * 2**30) -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second)."""
-    if DEVICE != "cuda":
-        nbytes = 2**26
-    a = torch.empty(nbytes // 4, dtype=torch.float32, device=DEVICE).normal_()
-    b = torch.empty_like(a)
-    t = min(event_time(lambda: b.copy_(a), reps=5) for _ in range(2))
-    del a, b
-    return 2 * nbytes / t
 
 
 def copies_for(nbytes: int, cap: int = 64) -> int:
@@ -382,15 +310,15 @@ def bench_dense(copy_bw: float, with_marlin: bool, ms=DENSE_M, shapes=DENSE_SHAP
             ours = [lambda p=p: w4_linear(x, p) for p in packs]
             base = [lambda w=w: torch.mm(x, w.t()) for w in w16s]
             err = rel_err(w4_linear(x, p0), torch.mm(x, w16.t()))
-            t_ours = graph_time(ours)
-            t_base = graph_time(base)
+            t_ours = time_calls(ours, fill_ms=4)
+            t_base = time_calls(base, fill_ms=4)
             row = dict(N=n, K=k, M=m, ours_us=t_ours * 1e6, cublas_us=t_base * 1e6, speedup=t_base / t_ours,
                        weight_TBps=nbytes / t_ours / 1e12, frac_copy_bw=nbytes / t_ours / copy_bw,
                        rel_err_vs_bf16=err, config=cfg.to_json(),
                        kernel="cuBLAS" if cfg.dequant_mm else ("gluon" if cfg.gluon else "triton"))
             if marlin is not None:
                 try:
-                    t_m = graph_time([lambda: marlin(x)])
+                    t_m = time_calls([lambda: marlin(x)], fill_ms=4)
                     row.update(marlin_us=t_m * 1e6, speedup_vs_marlin=t_m / t_ours)
                 except Exception as exc:
                     row.update(marlin_error=str(exc)[:120])
@@ -428,8 +356,8 @@ def bench_grouped(copy_bw: float, tokens_list=MOE_TOKENS, models=tuple(MOE_MODEL
                 ours = [lambda r=r: w4_grouped(xs, p, r["offsets"]) for r in routs]
                 base = [lambda r=r: torch._grouped_mm(xs, w16t, offs=r["offs"]) for r in routs]
                 err = rel_err(w4_grouped(xs, p, routs[0]["offsets"]), torch._grouped_mm(xs, w16t, offs=routs[0]["offs"]))
-                t_ours = graph_time(ours)
-                t_base = graph_time(base)
+                t_ours = time_calls(ours, fill_ms=4)
+                t_base = time_calls(base, fill_ms=4)
                 active = statistics.mean(r["active"] for r in routs)
                 nbytes = per_expert * active
                 row = dict(model=model, proj=proj, E=e, N=n, K=k, tokens=t, rows=rows_total, active_experts=active,
@@ -440,7 +368,7 @@ def bench_grouped(copy_bw: float, tokens_list=MOE_TOKENS, models=tuple(MOE_MODEL
                 if proj == "up":
                     xt = torch.randn(t, k, device=DEVICE, dtype=torch.bfloat16)
                     fused = [lambda r=r: w4_grouped(xt, p, r["offsets"], gather_idx=r["token"]) for r in routs]
-                    row["ours_gather_us"] = graph_time(fused) * 1e6
+                    row["ours_gather_us"] = time_calls(fused, fill_ms=4) * 1e6
                 rows.append(row)
                 print(f"grouped {model:14s} {proj:4s} T={t:5d}: ours {t_ours * 1e6:9.1f} us  grouped_mm "
                       f"{t_base * 1e6:9.1f} us  x{t_base / t_ours:5.2f}  {row['frac_copy_bw']:.2f} of copy BW  "
@@ -466,9 +394,9 @@ def bench_masked(copy_bw: float, max_ms=MASKED_MAX_M, models=tuple(MOE_MODELS)):
                 cfg = select_config("masked", mm, n, k, e)
                 out = torch.empty(e, mm, n, device=DEVICE, dtype=torch.bfloat16)
                 err = rel_err(w4_masked(x, p, full), torch._grouped_mm(x, w16t))
-                t_ours = graph_time([lambda: w4_masked(x, p, full, out=out)])
-                t_rand = graph_time([lambda: w4_masked(x, p, rand, out=out)])
-                t_base = graph_time([lambda: torch._grouped_mm(x, w16t)])
+                t_ours = time_calls([lambda: w4_masked(x, p, full, out=out)], fill_ms=4)
+                t_rand = time_calls([lambda: w4_masked(x, p, rand, out=out)], fill_ms=4)
+                t_base = time_calls([lambda: torch._grouped_mm(x, w16t)], fill_ms=4)
                 nbytes = packed_bytes(p)
                 rows.append(dict(model=model, proj=proj, E=e, N=n, K=k, max_m=mm, ours_us=t_ours * 1e6,
                                  ours_random_mask_us=t_rand * 1e6, grouped_mm_us=t_base * 1e6,
@@ -586,7 +514,7 @@ def main(argv=None) -> int:
         for err in precompile(configs_in_use(plan)):
             print("[precompile] error:", err)
     torch.backends.cuda.matmul.allow_tf32 = False
-    copy_bw = copy_bandwidth()
+    copy_bw = device_copy_bandwidth()[0]
     print(f"device copy bandwidth: {copy_bw / 1e12:.2f} TB/s", flush=True)
     import triton
     meta = dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,

@@ -7,7 +7,7 @@ One command on the GPU (H200 here):
 For every kernel at M x K (default 8192 x 7168, bf16 in) it reports the median time over rotating
 inputs (three copies, 3 x 117 MB, so nothing is served from the 60 MB L2), the effective bandwidth
 (bytes read + bytes written, each counted once), that bandwidth as a share of measured device copy
-(``dst.copy_(src)`` of a 1 GiB buffer, read + write), the pure-torch reference's time on the same
+(``benchmarks/common.device_copy_bandwidth``, read + write), the pure-torch reference's time on the same
 GPU, and whether the outputs are byte-identical to that reference (deterministic kernels). A small
 sweep over tile configurations (elements per program, warps) runs in the same process; the table
 shows the default and the best. Writes a Markdown table to ``--out`` and all numbers to the same
@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import time_any, time_eager  # noqa: E402
+from benchmarks.common import device_copy_bandwidth, time_any, time_eager  # noqa: E402
 from nvfp4_plugin import numerics as nx  # noqa: E402
 from nvfp4_plugin import reference as ref  # noqa: E402
 
@@ -72,19 +72,6 @@ def median_ms(fn, inputs, iters: int, warmup: int = 3, graph: bool = True) -> fl
     if how != "graph":
         print("  (not capturable: timed eager calls)", flush=True)
     return sec * 1e3
-
-
-def copy_bandwidth(iters: int) -> float:
-    n = 1 << 29 if DEVICE == "cuda" else 1 << 20  # 1 GiB of bf16 per buffer
-    src = [torch.empty(n, dtype=torch.bfloat16, device=DEVICE).normal_() for _ in range(2)]
-    dst = torch.empty_like(src[0])
-    # eager: captured in a graph, copy_ becomes a memcpy node (copy engine, ~2.8 TB/s), not the SM copy kernel;
-    # a 1 GiB copy is long enough that the launch path does not show
-    ms = median_ms(lambda s: dst.copy_(s), src, iters, graph=False)
-    del src, dst
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
-    return 2 * n * 2 / (ms * 1e-3)
 
 
 def same_bytes(a, b) -> bool:
@@ -181,7 +168,7 @@ def main(argv=None) -> int:
     t_start = time.time()
     torch.manual_seed(0)
     m, k = args.m, args.k
-    copy_bw = copy_bandwidth(args.iters)
+    copy_bw = device_copy_bandwidth()[0]
     print(f"device copy: {copy_bw / 1e12:.3f} TB/s (read + write)", flush=True)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     inputs = [(torch.randn(m, k, device=DEVICE, generator=gen) * 2.0 ** (i - 1)).to(torch.bfloat16) for i in range(3)]

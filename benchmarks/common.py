@@ -1,7 +1,13 @@
-"""Shared benchmark helpers: the device-copy ceiling every bandwidth number is quoted against, and the
-CUDA-graph timers (device time per call, without the Python launch path)."""
+"""Shared benchmark helpers: the device-copy ceiling every bandwidth number is quoted against
+(:func:`device_copy_bandwidth`), and the one CUDA-graph timer (:func:`time_calls`: device time per call,
+without the Python launch path) with its eager fallback for peers that cannot be captured."""
 
 from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
 
 import torch
 
@@ -21,50 +27,86 @@ def _time(fn, iters: int = 20) -> float:
     return sorted(times)[1]
 
 
+def _wall_time(fn, iters: int = 3) -> float:
+    """Median wall-clock seconds of one call: the CPU smoke runs' timer (no GPU)."""
+    fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 # The copies every ceiling is taken from (the faster counts): name -> fn(src, dst).
 COPY_METHODS = {"memcpy (Tensor.copy_)": lambda src, dst: dst.copy_(src),
                 "elementwise (torch.neg)": lambda src, dst: torch.neg(src, out=dst)}
 
 
 def device_copy_bandwidth(nbytes: int = 2 * 2**30) -> tuple[float, dict]:
-    """Best of the COPY_METHODS (a cudaMemcpy device-to-device copy and an elementwise kernel) over
-    ``nbytes`` buffers, counting bytes read + written. Returns (bytes/s, {method: bytes/s})."""
-    src = torch.randn(nbytes // 4, device="cuda")
+    """The one "% of copy" ceiling of every benchmark: the best of the COPY_METHODS (a cudaMemcpy
+    device-to-device copy and an elementwise kernel) over ``nbytes`` buffers, counting bytes read +
+    written. Returns (bytes/s, {method: bytes/s}). Without a GPU (smoke runs): the same on a 64 MiB
+    host buffer, wall clock."""
+    gpu = torch.cuda.is_available()
+    nbytes = nbytes if gpu else 2**26
+    src = torch.randn(nbytes // 4, device="cuda" if gpu else "cpu")
     dst = torch.empty_like(src)
-    res = {name: 2 * nbytes / _time(lambda: copy(src, dst)) for name, copy in COPY_METHODS.items()}
+    timer = _time if gpu else _wall_time
+    res = {name: 2 * nbytes / timer(lambda copy=copy: copy(src, dst)) for name, copy in COPY_METHODS.items()}
     del src, dst
-    torch.cuda.empty_cache()
+    if gpu:
+        torch.cuda.empty_cache()
     return max(res.values()), res
 
 
-def time_graph(fn, args_list, min_ms: float = 30.0) -> float:
-    """Seconds per call: a CUDA graph of one call per argument tuple, replayed until min_ms passed."""
+def time_calls(calls: list, *, fill_ms: float = 0.0, min_ms: float = 30.0, max_calls: int = 200) -> float:
+    """Seconds per call, the one timer of the benchmarks: a CUDA graph of ``calls`` (each a no-argument
+    callable, typically one per rotated weight or input copy so the working set exceeds L2), in order,
+    repeated round-robin until the graph lasts ``fill_ms`` (at most ``max_calls`` calls; 0: each call
+    once), replayed until ``min_ms`` of device time passed; device time over every call replayed.
+    Without a GPU: the median wall clock of the calls (CPU smoke runs)."""
+    if not torch.cuda.is_available():
+        return statistics.median(_wall_time(c, 1) for c in calls)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for a in args_list[:2]:
-            fn(*a)
+    with torch.cuda.stream(side):   # warm-up (compilation, autotuning) outside the capture
+        for c in calls:
+            c()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for a in args_list:
-            fn(*a)
-    graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    n = len(calls)
+    if fill_ms > 0:
+        start.record()
+        calls[0]()
+        end.record()
+        end.synchronize()
+        n = max(n, min(max_calls, math.ceil(fill_ms / max(start.elapsed_time(end), 1e-3))))
+        n = math.ceil(n / len(calls)) * len(calls)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n):
+            calls[i % len(calls)]()
+    graph.replay()
+    torch.cuda.synchronize()
     start.record()
     graph.replay()
     end.record()
     end.synchronize()
-    one = start.elapsed_time(end)
-    reps = max(3, min(1000, int(min_ms / max(one, 1e-3))))
+    reps = max(3, min(1000, int(min_ms / max(start.elapsed_time(end), 1e-3))))
     start.record()
     for _ in range(reps):
         graph.replay()
     end.record()
     end.synchronize()
     del graph
-    return start.elapsed_time(end) / 1e3 / (reps * len(args_list))
+    return start.elapsed_time(end) / 1e3 / (reps * n)
+
+
+def time_graph(fn, args_list, min_ms: float = 30.0) -> float:
+    """Seconds per call of ``fn(*args)``, a CUDA graph of one call per argument tuple (:func:`time_calls`)."""
+    return time_calls([functools.partial(fn, *a) for a in args_list], min_ms=min_ms)
 
 
 def time_eager(fn, args_list, iters: int = 3) -> float:

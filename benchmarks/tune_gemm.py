@@ -32,6 +32,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import bench_gemm as bg  # noqa: E402
+from benchmarks.common import time_calls  # noqa: E402
 
 from nvfp4_plugin.gemm import HopperW4Layout, W4Config, w4_dequantize, w4_grouped, w4_linear, w4_masked  # noqa: E402
 from nvfp4_plugin.gemm import select as gsel  # noqa: E402
@@ -344,7 +345,7 @@ def tune_one(kind, spec, cands, deadline, log):
                 calls = [lambda r=r, c=cfg: run(c, r) for r in copies]
             else:
                 calls = [lambda c=cfg: run(c, False)]
-            t = bg.graph_time(calls, target_s=2e-3, replays=3)
+            t = time_calls(calls, fill_ms=2, min_ms=6)
             rec["us"] = t * 1e6
             if best is None or t < best[0]:
                 best = (t, cfg)

@@ -1,9 +1,9 @@
-"""benchmarks/ncu_profile.py: the summary parses Nsight Compute's CSV pages (no GPU or ncu needed)."""
+"""tools/ncu_profile.py: the summary parses Nsight Compute's CSV pages (no GPU or ncu needed)."""
 
 import importlib.util
 from pathlib import Path
 
-spec = importlib.util.spec_from_file_location("ncu_profile", Path(__file__).resolve().parents[1] / "benchmarks" / "ncu_profile.py")
+spec = importlib.util.spec_from_file_location("ncu_profile", Path(__file__).resolve().parents[1] / "tools" / "ncu_profile.py")
 ncu = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ncu)
 

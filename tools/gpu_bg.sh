@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run gpu_session.sh detached so a session can outlast the device tool's 10-minute command limit;
 # later calls (each within 30 s of the last, or the machine goes back) wait on it.
-#   bash benchmarks/gpu_bg.sh start STEP...   start `gpu_session.sh STEP...` (env passes through), then wait
-#   bash benchmarks/gpu_bg.sh wait            wait up to $WAIT_S (default 560) seconds
+#   bash tools/gpu_bg.sh start STEP...   start `gpu_session.sh STEP...` (env passes through), then wait
+#   bash tools/gpu_bg.sh wait            wait up to $WAIT_S (default 560) seconds
 # When the run has ended, its session.tgz and console log are copied to $OUT and the exit status is
 # printed; a wait that times out exits 124 (call `wait` again at once).
 set -uo pipefail
@@ -12,7 +12,7 @@ cmd="${1:-wait}"; shift || true
 if [ "$cmd" = start ]; then
   if [ -f "$BG/pid" ] && kill -0 "$(cat "$BG/pid")" 2>/dev/null; then echo "a run is already going"; exit 2; fi
   rm -rf "$BG"; mkdir -p "$BG/out"
-  OUT="$BG/out" setsid nohup bash -c 'bash benchmarks/gpu_session.sh "${@:2}"; echo $? > "$1/rc"' _ "$BG" "$@" \
+  OUT="$BG/out" setsid nohup bash -c 'bash tools/gpu_session.sh "${@:2}"; echo $? > "$1/rc"' _ "$BG" "$@" \
     > "$BG/console.log" 2>&1 < /dev/null &
   echo $! > "$BG/pid"
 elif [ "$cmd" != wait ]; then

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU-machine call that runs the named steps and packs every log and result into $OUT/session.tgz
-# (the device tool returns at most 8 files). Usage: bash benchmarks/gpu_session.sh STEP...
+# (the device tool returns at most 8 files). Usage: bash tools/gpu_session.sh STEP...
 #   build     build nvfp4_plugin._C for sm_90a in place (system torch)
 #   tests     every gpu-marked test (pytest -m gpu), or those in $GPU_TESTS; tests@VAR=VALUE[+VAR=VALUE] with env vars
 #   pytest    all tests (any marker) of the files in $PYTEST_FILES, on the GPU
@@ -15,7 +15,7 @@
 #   (bench-gemm / bench-quant take more options from $BENCH_GEMM_ARGS / $BENCH_QUANT_ARGS, e.g. --skip-grouped)
 #   diag-gemm every tile shape against the reference on the shapes that exposed the wgmma race
 #   ncu       Nsight Compute profiles of the GEMM and Triton quant kernels where targets are missed
-#             (benchmarks/ncu_profile.py -> $R/ncu/summary.md; $NCU_CASES: space-separated cases)
+#             (tools/ncu_profile.py -> $R/ncu/summary.md; $NCU_CASES: space-separated cases)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 R=/tmp/session; mkdir -p "$R"
@@ -56,7 +56,7 @@ for s in "$@"; do
       case "$kv" in *@*) ops="--ops ${kv#*@}"; ops="${ops//,/ }"; kv="${kv%%@*}" ;; esac
       tag="${kv//[^A-Za-z0-9=]/_}"
       step "bq-$tag" env ${kv//+/ } python3 benchmarks/bench_quant.py --out "$R/$tag" ${BENCH_QUANT_ARGS:-} $ops ;;
-    diag-gemm) step diag-gemm python3 benchmarks/diag_gemm_tiles.py ;;
+    diag-gemm) step diag-gemm python3 tools/diag_gemm_tiles.py ;;
     bench-quant) step bench-quant python3 benchmarks/bench_quant.py --out "$R" ${BENCH_QUANT_ARGS:-} ;;
     bench-triton) step bench-triton python3 benchmarks/bench_triton_quant.py --out "$R/triton_quant_h200.md" ;;
     bench-gemm) step bench-gemm python3 benchmarks/bench_gemm.py --out "$R" ${BENCH_GEMM_ARGS:-} ;;
@@ -65,7 +65,7 @@ for s in "$@"; do
       export NVFP4_PLUGIN_GEMM_CONFIG_DIR="$R/configs"
       step tune-gemm python3 benchmarks/tune_gemm.py --out "$R" --budget-s "${TUNE_BUDGET_S:-420}" \
         --kinds "${TUNE_KINDS:-dense,grouped,masked}" ${TUNE_ARGS:-} ;;
-    ncu) step ncu python3 benchmarks/ncu_profile.py --out "$R/ncu" ${NCU_CASES:+--cases $NCU_CASES} ;;
+    ncu) step ncu python3 tools/ncu_profile.py --out "$R/ncu" ${NCU_CASES:+--cases $NCU_CASES} ;;
     bench-quantize) step bench-quantize python3 benchmarks/bench_quantize.py --out "$R/quantize_h200.md" --weight-only-too ;;
     *) echo "unknown step $s"; status=2 ;;
   esac

@@ -2,7 +2,7 @@
 
 One command on the GPU machine (ncu is on its PATH):
 
-    python3 benchmarks/ncu_profile.py --out /tmp/session/ncu
+    python3 tools/ncu_profile.py --out /tmp/session/ncu
 
 For each case it runs this same file as a driver under ``ncu`` (``--clock-control none``: the clocks
 the benchmarks see), profiles one launch of the kernel after warm-up calls, and then writes
@@ -55,11 +55,10 @@ def drive(case: str) -> None:
     """Run the case's kernel WARMUP + 1 times (ncu skips the warm-up launches)."""
     import torch
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository root
     kind, *rest = case.split(":")
     if kind == "gemm":
-        import bench_gemm as bg
+        from benchmarks import bench_gemm as bg
         from nvfp4_plugin.gemm import W4Config, w4_linear
 
         n, k, m = (int(v) for v in rest[:3])
@@ -74,7 +73,7 @@ def drive(case: str) -> None:
         for _ in range(WARMUP + 1):
             w4_linear(x, p, config=cfg)
     elif kind == "moe":  # moe:MODEL:PROJ:TOKENS, as bench_gemm.py's grouped table (selected config)
-        import bench_gemm as bg
+        from benchmarks import bench_gemm as bg
         from nvfp4_plugin.gemm import w4_grouped
 
         model, proj, tokens = rest[0], rest[1], int(rest[2])
@@ -131,7 +130,7 @@ def drive(case: str) -> None:
         for _ in range(WARMUP + 1):
             fn()
     elif kind == "sgl":  # sgl:fp8group:M:K, as bench_quant's sgl-kernel peer
-        import bench_quant as bq
+        from benchmarks import bench_quant as bq
 
         m, k = int(rest[1]), int(rest[2])
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
