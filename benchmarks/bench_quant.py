@@ -21,7 +21,7 @@ still orders it); run once with NVFP4_PLUGIN_PDL=0 for plain stream-order times.
 Ops and shapes (M x K, K in {2048, 4096, 7168}):
   nvfp4_dense            scaled_fp4_quant, bf16 [M, K], swizzled e4m3 scales
   nvfp4_dense_linear     same with linear scales (whole 32-B scale sectors per row and CTA step: the
-                         diagnostic of csrc/quant/PERF_NOTES.md §2.4, partial swizzled sector writes)
+                         diagnostic of csrc/quant/PERF_NOTES.md, "Scale stores: whole 32-byte sectors": partial swizzled sector writes)
   nvfp4_experts          scaled_fp4_experts_quant, M tokens x top-8 rows over E = 256 experts
   nvfp4_masked_silu      silu_and_mul_scaled_fp4_experts_quant, 32 local experts, M x 8 / 32 rows
                          each (max_m), mask ~ 75% full on average, input [32, max_m, 2K], given outputs

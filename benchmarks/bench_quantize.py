@@ -6,7 +6,7 @@ memory are its own. Host memory: peak RSS from the kernel (``ru_maxrss`` of the 
 VmHWM), plus a 20 ms poll of ``/proc/PID/status`` splitting RSS into anonymous memory and mapped
 file pages. Targets (issue 6): quantize < 3 minutes on the H200, peak RSS < 2x the largest input shard.
 
-    PYTHONPATH=. python3 benchmarks/bench_quantize.py --out benchmarks/results/quantize_h200.md
+    python -m benchmarks.bench_quantize --out /tmp/quantize.md   (then fold its table into benchmarks/results/)
 
 Options: ``--arch`` (llama | qwen2 | qwen3 | qwen3_moe | mixtral), ``--size``, ``--device``,
 ``--weight-only-too`` (also time ``--no-calibration``), ``--workdir`` (default: the system temp

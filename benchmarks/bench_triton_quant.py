@@ -2,7 +2,7 @@
 
 One command on the GPU (H200 here):
 
-    python3 benchmarks/bench_triton_quant.py --out benchmarks/results/triton_quant_h200.md
+    python -m benchmarks.bench_triton_quant --out /tmp/triton_quant.md   (then fold its table into benchmarks/results/)
 
 For every kernel at M x K (default 8192 x 7168, bf16 in) it reports the median time over rotating
 inputs (three copies, 3 x 117 MB, so nothing is served from the 60 MB L2), the effective bandwidth

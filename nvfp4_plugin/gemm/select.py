@@ -193,21 +193,18 @@ def _split_k(n_tiles: int, k: int, bk: int, sms: int, target: float = 3.0, min_i
     return best
 
 
-#: Dense rows from which dequantizing the weight once and letting cuBLAS multiply beats the fused
-#: kernels on every tuned H200 shape (2026-11-22: 0.4-0.85x the fused time at 512 rows, ~0.6x at 4096);
-#: at 1024+ rows the one extra pass over the bf16 weight costs 15-20% of the GEMM.
+#: Dense rows from which dequantize-then-cuBLAS is the default: it beat the fused kernels on every tuned
+#: H200 shape (nvfp4_plugin/gemm/NOTES.md, "Why dequantize + cuBLAS from 512 rows").
 DEQUANT_MM_MIN_M = 512
 
 
-#: Dense rows from which the explicitly pipelined Gluon kernel is the default (below DEQUANT_MM_MIN_M).
-#: Measured on the H200 (2026-11-25), 128-512 rows: faster than the Triton kernel and dequant_mm on
-#: every issue shape but one tie (benchmarks/results/gemm_h200.md, "Gluon").
+#: Dense rows above which the explicitly pipelined Gluon kernel is the default (below DEQUANT_MM_MIN_M);
+#: why: nvfp4_plugin/gemm/NOTES.md, "Why Gluon for 64-1024 rows".
 GLUON_MIN_M = 64
 
 
-#: Rows per active expert (grouped) or max_m (masked) from which the Gluon kernel is the default: at 256
-#: (4096 tokens, top-8 over 128-256 experts) it beat every Triton-kernel config on the H200 by 1.3-1.7x;
-#: at 64 the Triton kernel's 64-token tiles won (2026-11-25).
+#: Rows per active expert (grouped) or max_m (masked) from which the Gluon kernel is the default (1.3-1.7x
+#: the Triton configs at 256 on the H200; NOTES.md, "Which kernel family runs where").
 GLUON_MIN_EXPERT_ROWS = 128
 
 
@@ -223,9 +220,9 @@ def gluon_config(bn: int, bm: int, bk: int, **kw) -> W4Config:
 
 
 def gluon_heuristic(m: int, n: int, k: int, sms: int = 132) -> W4Config:
-    """One warpgroup per 64 weight rows, weights loaded 4 K steps ahead (it won every tuned H200 problem
-    of 128-1024 rows against 2 steps, 2026-11-25); split K until about two programs per SM (at least 8
-    K steps each): the narrow shapes (N = 2048-4096 with long K) have only 16-64 output tiles."""
+    """One warpgroup per 64 weight rows, weights loaded 4 K steps ahead (NOTES.md, "Why Gluon for 64-1024
+    rows"); split K until about two programs per SM (at least 8 K steps each): the narrow shapes
+    (N = 2048-4096 with long K) have only 16-64 output tiles."""
     bm = 128 if m <= 128 else 256
     cfg = gluon_config(64, bm, 64, prefetch=4)
     tiles = -(-m // bm) * -(-n // 64)
@@ -276,12 +273,9 @@ def heuristic(kind: str, m: int, n: int, k: int, e: int = 1, sms: int = 132) -> 
     return cfg
 
 
-#: Largest token tile selection may hand out. Programs with bm >= 128 once gave wrong results on the
-#: H200 over several waves: Triton 3.6 let the next K step's decode overwrite the register A operand
-#: of wgmmas still in flight (triton-lang/triton#9433). triton_w4._mma_tile now waits for each dot,
-#: tests/test_gemm_sass.py checks the SASS, and tests/test_gemm.py::test_gpu_large_token_tiles runs
-#: bm=128 and bm=256 on the multi-wave shapes that failed (clean on the H200 since 2026-11-22).
-#: Lower this to clamp larger tiles again should a Triton upgrade bring the race back.
+#: Largest token tile selection may hand out: Triton 3.6's register-A wgmma race (triton-lang/triton#9433;
+#: NOTES.md, "The register-A wgmma race") is worked around and checked in SASS by tests/test_gemm_sass.py;
+#: lower this should a Triton upgrade bring it back.
 MAX_SAFE_BM = 256
 
 
