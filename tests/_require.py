@@ -33,14 +33,11 @@ def skip_module(name: str, reason: str) -> None:
 
 
 def require_triton_kernels() -> None:
-    """The preamble of the Triton kernel test modules: Triton's CPU interpreter where there is no GPU
-    (TRITON_INTERPRET must be set before triton is first imported), then Triton required (or the
-    module skipped, see require), and skipped or failed where this Triton's interpreter cannot run
-    the kernels."""
+    """The preamble of the Triton kernel test modules: Triton required (or the module skipped, see
+    require), and skipped or failed where this Triton's interpreter cannot run the kernels (tests/conftest.py
+    chooses the interpreter where there is no GPU)."""
     import torch
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     require("triton")
     from nvfp4_plugin.triton import _runtime as rt
 

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 # Triton reads TRITON_INTERPRET when jit functions are defined (its own library included), so the
-# CPU interpreter must be chosen before anything imports triton.
+# CPU interpreter must be chosen before anything imports triton: here, the one place the tests set it
+# (pytest loads this file before any test module). Tests that start processes which must compile
+# for a GPU remove it from the child's environment themselves.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -1,16 +1,11 @@
 """Hopper FP4-weight layout: prepack / unpack is exact, scale re-encoding and decode are exact."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # Triton's CPU interpreter; must be set before triton is first imported
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from nvfp4_plugin import numerics as nx  # noqa: E402
-from nvfp4_plugin.gemm import layout as L  # noqa: E402
-from nvfp4_plugin.weights import Nvfp4Weight  # noqa: E402
+from nvfp4_plugin import numerics as nx
+from nvfp4_plugin.gemm import layout as L
+from nvfp4_plugin.weights import Nvfp4Weight
 
 E2M1_NONZERO = [v for v in nx.E2M1_MAGNITUDES if v]
 ALL_E4M3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn)   # +0 .. 448
