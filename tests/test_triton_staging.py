@@ -140,10 +140,19 @@ def test_validation_errors_name_argument_expected_and_actual():
 
 
 def test_empty_batch_is_a_no_op():
+    """M == 0 (an idle rank) writes nothing: the zero-row outputs are views into garbage-filled buffers
+    whose bytes must stay as they were; the arguments are still validated."""
     h, w, ids = make_inputs(0, 256, 6)
-    outs = outputs(0, 256, 6, DEV)
-    staging.stage_deepseek_v4_mega_moe_inputs(h.to(DEV), w.to(DEV), ids.to(DEV), *outs)
-    ref.stage_deepseek_v4_mega_moe_inputs(h, w, ids, *outputs(0, 256, 6, "cpu"))
+    for stage, device in ((staging.stage_deepseek_v4_mega_moe_inputs, DEV),
+                          (ref.stage_deepseek_v4_mega_moe_inputs, "cpu")):
+        h_d, w_d, ids_d = h.to(device), w.to(device), ids.to(device)
+        buffers = outputs(3, 256, 6, device)
+        before = [t.clone() for t in buffers]
+        assert stage(h_d, w_d, ids_d, *(t[1:1] for t in buffers)) is None
+        for got, want in zip(buffers, before):
+            assert same_bits(got.cpu(), want.cpu()), (stage.__module__, got.dtype)
+        with pytest.raises(ValueError, match=r"x_sf: expected shape \(0, 4\), got \(0, 2\)"):
+            stage(h_d, w_d, ids_d, buffers[0][:0], buffers[1][:0, :2], buffers[2][:0], buffers[3][:0])
 
 
 @GPU
