@@ -1,0 +1,164 @@
+"""The explicitly pipelined Gluon GEMM (gemm/gluon_w4.py): dense, grouped and masked on the GPU against
+the fp64 references; config validation, split-tail tiling and the heuristic's hand-over everywhere,
+and the Triton kernel standing in for it where there is no compiled GPU path (the CPU interpreter).
+Shared cases: tests/gemm_cases.py.
+"""
+
+import pytest
+import torch
+
+from nvfp4_plugin import numerics as nx
+from nvfp4_plugin.gemm import W4Config, prepack, w4_grouped, w4_linear, w4_masked
+from nvfp4_plugin.gemm import select as gsel
+
+from .gemm_cases import (DEV, ON_GPU, act, dense_ref, graph_replay, grouped_ref, make_weight,
+                         report_max_ulps, routing, ulp_error)  # noqa: F401  (autouse fixture)
+
+
+GLUON_CFGS = [W4Config(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True),
+               W4Config(bn=64, bm=256, bk=64, num_warps=4, num_stages=3, gluon=True, split_k=3),
+               W4Config(bn=128, bm=128, bk=128, num_warps=8, num_stages=3, gluon=True),
+               W4Config(bn=128, bm=256, bk=128, num_warps=8, num_stages=2, gluon=True, split_k=2),
+               W4Config(bn=64, bm=64, bk=128, num_warps=4, num_stages=2, gluon=True, split_k=8),
+               # weights 4 K steps ahead: K steps per split 1, 17, 65 and 32 (11 / 11 / 10 with split 3)
+               # leave 0-3 steps after the unrolled loop
+               W4Config(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True, prefetch=4),
+               W4Config(bn=128, bm=256, bk=64, num_warps=8, num_stages=2, gluon=True, split_k=3, prefetch=4),
+               # split only the tiles past the last whole wave: at 1030 x 4100 (585 tiles of 128 rows x 64 on 132
+               # SMs) 522 tiles over all of K and 63 split 2 ways (N columns 3712-4099, the last one ragged),
+               # at 333 x 1000 (48 tiles) all split
+               W4Config(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True, split_k=2, prefetch=4,
+                        split_tail=True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", GLUON_CFGS, ids=["bn64bm128", "bn64bm256split3", "bn128bm128bk128",
+                                                  "bn128bm256split2", "bn64bm64split8", "bn64bm128pf4",
+                                                  "bn128bm256split3pf4", "bn64bm128splittail"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gluon_dense(cfg, dtype):
+    """The explicitly pipelined Gluon kernel: odd M / N / K (K not a multiple of the K step), bias of
+    both dtypes, w4a4, split K, more than one wave; deterministic and CUDA-graph capturable."""
+    for (m, n, k) in ((1, 64, 64), (77, 200, 1040), (333, 1000, 4112), (1030, 4100, 2048)):
+        w = make_weight((), n, k, seed=m + n + k)
+        p = prepack(w, dtype)
+        x = act((m, k), dtype, seed=m)
+        y = w4_linear(x, p, config=cfg)
+        assert y.shape == (m, n) and y.dtype == dtype
+        assert ulp_error(y, dense_ref(x, w), dtype, f"gluon/{dtype}") <= 2, (m, n, k)
+        for bias in (act((n,), dtype, seed=3), act((n,), dtype, seed=4).float()):
+            assert ulp_error(w4_linear(x, p, bias, config=cfg), dense_ref(x, w, bias), dtype, f"gluon/{dtype}") <= 2
+        assert torch.equal(w4_linear(x, p, config=cfg), y)
+    gs = nx.tensor_global_scale(x.float()).reshape(1)
+    y4 = w4_linear(x, p, mode="w4a4", input_global_scale=gs, config=cfg)
+    assert ulp_error(y4, dense_ref(x, w, mode="w4a4", gs=gs), dtype, f"gluon_w4a4/{dtype}") <= 2
+    # a base or a row stride that is not 16-byte aligned (TMA) is copied first
+    xs = act((m * k + 8,), dtype, seed=9)[1:1 + m * k].reshape(m, k)
+    xw = act((m, k + 4), dtype, seed=10)[:, :k]
+    assert xs.data_ptr() % 16 and (xw.stride(0) * xw.element_size()) % 16
+    for xm in (xs, xw):
+        assert ulp_error(w4_linear(xm, p, config=cfg), dense_ref(xm, w), dtype, f"gluon/{dtype}") <= 2
+    yg = graph_replay(lambda: w4_linear(x, p, config=cfg))
+    assert torch.equal(yg, w4_linear(x, p, config=cfg))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [GLUON_CFGS[0], GLUON_CFGS[2], W4Config(bn=64, bm=128, bk=128, num_warps=4,
+                                                                         num_stages=3, gluon=True, m_split=2),
+                                 GLUON_CFGS[5]],
+                         ids=["bn64bm128", "bn128bm128bk128", "msplit2", "bn64bm128pf4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gluon_grouped_and_masked(cfg, dtype):
+    """The Gluon kernel over experts: sorted rows with an empty expert and tiles that run past an
+    expert's end, scatter with top-k weights, w4a4, rows past expert_offsets[E]; masked with mask 0,
+    partial, full and above max_m (rows past the mask untouched); a gather index falls back to the
+    Triton kernel. All within 2 ulps, deterministic, graph-capturable."""
+    # K steps of 64: 17 (1040), 19 with prefetch=4 (1168: a 3-step tail after the 4-way unrolled loop)
+    num_e, n, k, tokens, top_k = 6, 200, 1040 if cfg.prefetch == 2 else 1168, 300, 2
+    w = make_weight((num_e,), n, k, seed=71)
+    p = prepack(w, dtype)
+    pair, offsets, token, topk_w = routing(tokens, num_e, top_k, seed=72)
+    rows = tokens * top_k
+    x = act((rows, k), dtype, seed=73)
+    y = w4_grouped(x, p, offsets, config=cfg)
+    assert ulp_error(y.cpu(), grouped_ref(x, w, offsets), dtype, f"gluon_grouped/{dtype}") <= 2
+    assert torch.equal(w4_grouped(x, p, offsets, config=cfg), y)
+    ys = w4_grouped(x, p, offsets, scatter_idx=pair, row_scale=topk_w, num_out_rows=rows, config=cfg)
+    y_ref = grouped_ref(x, w, offsets, scatter=pair, row_scale=topk_w, n_out=rows)
+    assert ulp_error(ys.cpu(), y_ref, dtype, f"gluon_grouped_scatter/{dtype}") <= 2
+    xt = act((tokens, k), dtype, seed=74)
+    yg = w4_grouped(xt, p, offsets, gather_idx=token, scatter_idx=pair, row_scale=topk_w, num_out_rows=rows, config=cfg)
+    yg_ref = grouped_ref(xt, w, offsets, gather=token, scatter=pair, row_scale=topk_w, n_out=rows)
+    assert ulp_error(yg.cpu(), yg_ref, dtype, f"gluon_grouped_gather/{dtype}") <= 2
+    gs = torch.tensor([3.0, 50.0, 400.0, 7.0, 90.0, 1.0], device=DEV)
+    y4 = w4_grouped(x, p, offsets, mode="w4a4", input_global_scale=gs, config=cfg)
+    assert ulp_error(y4.cpu(), grouped_ref(x, w, offsets, mode="w4a4", gs=gs), dtype, f"gluon_grouped_w4a4/{dtype}") <= 2
+    short = offsets.clone()
+    short[-2:] = short[-3]               # the last two experts lose their rows: rows past offsets[E] ignored
+    out = torch.full((rows, n), 7.0, dtype=dtype, device=DEV)
+    w4_grouped(x, p, short, out=out, config=cfg)
+    assert (out[int(short[-1]):] == 7).all()
+    assert ulp_error(out[:int(short[-1])].cpu(), grouped_ref(x, w, short)[:int(short[-1])], dtype, "gluon_grouped") <= 2
+    yc = graph_replay(lambda: w4_grouped(x, p, offsets, config=cfg))
+    assert torch.equal(yc, y)
+    # masked: [E, max_m, K]
+    max_m = 300
+    xm = act((num_e, max_m, k), dtype, seed=75)
+    mask = torch.tensor([0, 1, 129, 300, 1000, 256], dtype=torch.int32, device=DEV)
+    outm = torch.full((num_e, max_m, n), 5.0, dtype=dtype, device=DEV)
+    w4_masked(xm, p, mask, out=outm, config=cfg)
+    wd = w.dequantize(torch.float64).cpu()
+    for e, valid in enumerate(min(v, max_m) for v in mask.tolist()):
+        assert (outm[e, valid:] == 5).all()
+        if valid:
+            assert ulp_error(outm[e, :valid].cpu(), xm[e, :valid].cpu().double() @ wd[e].t(), dtype,
+                             f"gluon_masked/{dtype}") <= 2
+
+
+def test_gluon_config_validation_and_selection():
+    with pytest.raises(ValueError, match="gluon needs bn 64 or 128 with bn/16 warps"):
+        W4Config(bn=128, bm=128, num_warps=4, gluon=True)
+    with pytest.raises(ValueError, match="gluon excludes"):
+        W4Config(bn=64, bm=128, v2=True, gluon=True)
+    with pytest.raises(ValueError, match="does not fit"):
+        W4Config(bn=64, bm=256, bk=128, num_warps=4, num_stages=4, gluon=True)
+    assert W4Config.from_json(GLUON_CFGS[1].to_json()) == GLUON_CFGS[1]
+    with pytest.raises(ValueError, match="gluon options"):
+        W4Config(bn=64, bm=128, split_k=2, split_tail=True)
+    with pytest.raises(ValueError, match="needs split_k >= 2"):
+        W4Config(bn=64, bm=128, num_warps=4, gluon=True, split_tail=True)
+    with pytest.raises(ValueError, match="prefetch"):
+        W4Config(bn=64, bm=128, num_warps=4, gluon=True, prefetch=3)
+    # split_tail: whole waves of one tile per SM over all of K, rounded down to whole N columns of tiles
+    from nvfp4_plugin.gemm import gluon_w4
+    assert gluon_w4.dp_tiles(9, 64, 132, True) == 522            # 528 rounded down to a multiple of 9
+    assert gluon_w4.dp_tiles(3, 16, 132, True) == 0              # fewer tiles than SMs: all split
+    assert gluon_w4.dp_tiles(2, 132, 132, True) == 264           # exact waves: nothing left to split
+    assert gluon_w4.dp_tiles(9, 64, 132, False) == 0             # plain split K: every tile split
+    # the heuristic hands rows between GLUON_MIN_M and DEQUANT_MM_MIN_M to Gluon, splitting K for narrow N
+    for m, n, k in ((128, 2048, 7168), (256, 28672, 4096), (300, 4096, 14336)):
+        cfg = gsel.heuristic("dense", m, n, k)
+        assert cfg.gluon and cfg.bm >= 128, cfg
+    assert gsel.heuristic("dense", 128, 2048, 7168).split_k == 8
+    assert gsel.heuristic("dense", 256, 28672, 4096).split_k == 1
+    assert not gsel.heuristic("dense", gsel.GLUON_MIN_M, 4096, 4096).gluon
+    # grouped / masked: from GLUON_MIN_EXPERT_ROWS rows per active expert
+    assert gsel.heuristic("grouped", 32768, 1536, 2048, 128).gluon
+    assert not gsel.heuristic("grouped", 8192, 1536, 2048, 128).gluon
+    assert gsel.heuristic("masked", 256, 4096, 7168, 256).gluon and not gsel.heuristic("masked", 64, 4096, 7168, 256).gluon
+    assert gsel.heuristic("dense", gsel.DEQUANT_MM_MIN_M, 4096, 4096).dequant_mm
+    # without a compiled GPU path (the interpreter here on CPU) w4_linear runs the Triton kernel instead
+    if not ON_GPU:
+        w = make_weight((), 130, 96, seed=1)
+        x = act((70, 96), torch.bfloat16, seed=2)
+        y = w4_linear(x, prepack(w, torch.bfloat16), config=GLUON_CFGS[0])
+        assert ulp_error(y, dense_ref(x, w), torch.bfloat16, "gluon_fallback") <= 2
+        # gluon-only options (the heuristic's prefetch=4, a tuned split_tail) do not reach the Triton kernel
+        assert torch.equal(w4_linear(x, prepack(w, torch.bfloat16), config=GLUON_CFGS[-1]), y)
+        assert gsel.heuristic("dense", 70, 130, 96).prefetch == 4
+        assert torch.equal(w4_linear(x, prepack(w, torch.bfloat16)), y)
+        we = make_weight((3,), 72, 96, seed=3)
+        offsets = torch.tensor([0, 5, 5, 9], dtype=torch.int32)
+        xg = act((9, 96), torch.bfloat16, seed=4)
+        yg = w4_grouped(xg, prepack(we, torch.bfloat16), offsets, config=GLUON_CFGS[0])
+        assert ulp_error(yg, grouped_ref(xg, we, offsets), torch.bfloat16, "gluon_fallback") <= 2
