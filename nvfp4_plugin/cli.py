@@ -91,6 +91,16 @@ def info(args=None) -> int:
         backend, skipped = _registry.select(op, device)
         why = "".join(f"; skipped {n}: {r}" for n, r in skipped)
         print(f"  {op:40s} {backend.name}{why}")
+    if device.type == "cuda":
+        # the layers this GPU would build: backend and kernel family per layer shape and token range
+        from .layers import deploy
+
+        cap = torch.cuda.get_device_capability(device)
+        props = torch.cuda.get_device_properties(device)
+        rep = deploy.plan(cap, device_name=props.name, sms=props.multi_processor_count)
+        print("layer plan on this GPU (Llama-3-8B and Qwen3-30B-A3B projections; other shapes: "
+              "info --capability X.Y --linear NxK --moe E,H,I,TOPK):")
+        print("\n".join("  " + line for line in rep.lines))
     return 0
 
 

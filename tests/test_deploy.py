@@ -134,3 +134,25 @@ def test_default_activation_mode_follows_the_architecture(monkeypatch):
     assert base.resolve_mode(False, CUDA) == "w4a16"          # no input scales: weight-only whatever the GPU
     monkeypatch.setenv(base.ENV_ACT_MODE, "w4a16")
     assert base.resolve_mode(True, CUDA) == "w4a16"
+
+
+def test_plain_info_on_a_gpu_prints_the_layer_plan(monkeypatch, capsys):
+    """``nvfp4-plugin info`` on a GPU machine names the backend and kernel family of each layer shape (the GPU
+    is simulated: an H200's capability, name and SM count; nothing runs on it)."""
+    import types
+
+    from nvfp4_plugin import cli
+
+    props = types.SimpleNamespace(name="NVIDIA H200", multi_processor_count=132, total_memory=141 * 2**30,
+                                  major=9, minor=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(cli, "_gpu_lines", lambda: ["GPU 0: NVIDIA H200 (simulated)"])
+    assert cli.info() == 0
+    out = capsys.readouterr().out
+    plan = out.split("layer plan on this GPU")[1]
+    assert "GPU: sm_90a (NVIDIA H200); GEMM configs: tuned table NVIDIA_H200.json" in plan
+    assert "linear N=4096 K=4096: backend hopper_triton" in plan
+    assert "fused MoE E=128 H=2048 I=768 top_k=8: backend hopper_triton" in plan
+    assert "gluon wgmma" in plan and "dequantize + cuBLAS" in plan and "triton mma.sync" in plan
