@@ -54,6 +54,7 @@ def test_blackwell_falls_back_to_the_reference_with_the_reason(monkeypatch):
 
 def test_selection_log_names_backend_and_kernel_family(caplog, monkeypatch):
     monkeypatch.delenv(base.ENV_LINEAR_BACKEND, raising=False)
+    monkeypatch.setattr(base, "_LOGGED", set())   # logged once per process: earlier tests may have built this shape
     spec = LinearSpec(96, 160, torch.bfloat16, "w4a16", torch.device("cpu"))
     with caplog.at_level(logging.INFO, logger="nvfp4_plugin"):
         assert base.select_backend("linear", LINEAR_BACKENDS, spec, base.ENV_LINEAR_BACKEND).name == "reference"
