@@ -94,3 +94,33 @@ def expert_checkpoint(fmt, gates, ups, downs, act_amax=5.0, names=("gate_proj", 
         for name, q in zip(names, qs):
             out += [(f"{e}.{name}.{k}", v) for k, v in module_tensors(fmt, q, act_amax).items()]
     return out
+
+
+def assert_bad_gate_up_tensors_are_named(gate_up, engine: str):
+    """``gate_up()``: a fresh ModelOpt-quantized MergedColumnParallelLinear(64, [32, 32]) of ``engine``
+    at ``model.layers.1.mlp.gate_up_proj`` (TP 1). Each broken checkpoint tensor fails by its
+    checkpoint name (the shard's module), with what was expected and what came."""
+    import pytest
+
+    ck = [checkpoint_tensors("modelopt", torch.randn(32, 64), 2.0) for _ in range(2)]
+    layer = gate_up()
+    assert layer.nvfp4_prefix == "model.layers.1.mlp.gate_up_proj"
+    bad = dict(ck[1], weight_scale=ck[1]["weight_scale"].view(torch.uint8))
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.1.mlp.up_proj.weight_scale': dtype: expected "
+                                         r"float8_e4m3fn block scales, got uint8"):
+        load_linear(layer, [(0, ck[0]), (1, bad)])
+    partial = {k: v for k, v in ck[1].items() if k != "weight"}
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.1.mlp.up_proj.weight': missing in the checkpoint"):
+        load_linear(gate_up(), [(0, ck[0]), (1, partial)])
+    too_wide = checkpoint_tensors("modelopt", torch.randn(32, 128), 2.0)
+    with pytest.raises(ValueError, match=rf"tensor 'model.layers.1.mlp.up_proj.weight': shape: expected \[32, 32\] "
+                                         rf"for {engine}'s MergedColumnParallelLinear .*got \[32, 64\]"):
+        load_linear(gate_up(), [(0, ck[0]), (1, too_wide)])
+    no_scale = {k: v for k, v in ck[1].items() if k != "weight_scale_2"}
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.gate_up_proj.weight_scale_2': missing in the "
+                                         r"checkpoint for shard\(s\)/expert\(s\) \[\[1\]\]"):
+        load_linear(gate_up(), [(0, ck[0]), (1, no_scale)])
+    nan_blocks = dict(ck[1], weight_scale=torch.full_like(ck[1]["weight_scale"], float("nan")))
+    with pytest.raises(ValueError, match=r"gate_up_proj.weight_scale': 128 block scale\(s\) are NaN "
+                                         r"\(first at index \[32, 0\]\)"):
+        load_linear(gate_up(), [(0, ck[0]), (1, nan_blocks)])

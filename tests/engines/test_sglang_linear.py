@@ -10,6 +10,7 @@ from tests._require import require
 
 sglang = require("sglang")
 
+from .ckpt_helpers import assert_bad_gate_up_tensors_are_named  # noqa: E402
 from .sglang_harness import (FORMATS, MODELOPT, checkpoint_tensors, dense_reference, dequantized,  # noqa: E402
                              error_bound, load_linear, simulated_tp, start)
 
@@ -19,7 +20,6 @@ from sglang.srt.layers.linear import (MergedColumnParallelLinear, QKVParallelLin
                                       ReplicatedLinear, RowParallelLinear)
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod  # noqa: E402
 
-import nvfp4_plugin.engines.sglang.linear as sgl_linear  # noqa: E402
 from nvfp4_plugin.engines import common as engines_common  # noqa: E402
 from nvfp4_plugin.engines.sglang.config import Nvfp4SglangConfig  # noqa: E402
 from nvfp4_plugin.engines.sglang.linear import Nvfp4SglangLinearMethod  # noqa: E402
@@ -207,28 +207,11 @@ def test_corrupt_global_scale_names_the_tensor():
 
 def test_wrong_dtype_and_missing_tensor_name_the_tensor():
     cfg = Nvfp4SglangConfig.from_config(MODELOPT)
-
-    def gate_up():
-        return MergedColumnParallelLinear(64, [32, 32], bias=False, quant_config=cfg,
-                                          prefix="model.layers.1.mlp.gate_up_proj", params_dtype=torch.bfloat16,
-                                          tp_rank=0, tp_size=1)
-
-    ck = [checkpoint_tensors("modelopt", torch.randn(32, 64), 2.0) for _ in range(2)]
-    bad = dict(ck[1], weight_scale=ck[1]["weight_scale"].view(torch.uint8))
-    with pytest.raises(ValueError, match=r"tensor 'model.layers.1.mlp.up_proj.weight_scale': dtype: expected "
-                                         r"float8_e4m3fn block scales, got uint8"):
-        load_linear(gate_up(), [(0, ck[0]), (1, bad)])
-    partial = {k: v for k, v in ck[1].items() if k != "weight"}
-    with pytest.raises(ValueError, match=r"tensor 'model.layers.1.mlp.up_proj.weight': missing in the checkpoint"):
-        load_linear(gate_up(), [(0, ck[0]), (1, partial)])
-    no_scale = {k: v for k, v in ck[1].items() if k != "weight_scale_2"}
-    with pytest.raises(ValueError, match=r"model.layers.1.mlp.gate_up_proj.weight_scale_2': missing in the "
-                                         r"checkpoint for shard\(s\)/expert\(s\) \[\[1\]\]"):
-        load_linear(gate_up(), [(0, ck[0]), (1, no_scale)])
-    nan_blocks = dict(ck[1], weight_scale=torch.full_like(ck[1]["weight_scale"], float("nan")))
-    with pytest.raises(ValueError, match=r"gate_up_proj.weight_scale': 128 block scale\(s\) are NaN "
-                                         r"\(first at index \[32, 0\]\)"):
-        load_linear(gate_up(), [(0, ck[0]), (1, nan_blocks)])
+    assert_bad_gate_up_tensors_are_named(
+        lambda: MergedColumnParallelLinear(64, [32, 32], bias=False, quant_config=cfg,
+                                           prefix="model.layers.1.mlp.gate_up_proj", params_dtype=torch.bfloat16,
+                                           tp_rank=0, tp_size=1),
+        "SGLang")
 
 
 @pytest.mark.parametrize("fmt,cfg", FORMATS)

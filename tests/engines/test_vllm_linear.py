@@ -12,7 +12,8 @@ vllm = require("vllm")
 
 from nvfp4_plugin import reference as ref  # noqa: E402
 
-from .ckpt_helpers import CT, MODELOPT, canonical, checkpoint_tensors, dense_reference, error_bound, load_linear  # noqa: E402,F401
+from .ckpt_helpers import (CT, MODELOPT, assert_bad_gate_up_tensors_are_named, canonical,  # noqa: E402,F401
+                           checkpoint_tensors, dense_reference, error_bound, load_linear)
 from .vllm_harness import simulated_tp, start  # noqa: E402
 
 start()
@@ -120,25 +121,10 @@ def test_corrupt_global_scale_names_the_tensor():
 
 def test_wrong_dtype_and_missing_tensor_name_the_tensor():
     cfg = Nvfp4VllmConfig.from_config(MODELOPT)
-
-    def gate_up():
-        layer = MergedColumnParallelLinear(64, [32, 32], bias=False, quant_config=cfg,
-                                           prefix="model.layers.1.mlp.gate_up_proj", params_dtype=torch.bfloat16)
-        assert layer.nvfp4_prefix == "model.layers.1.mlp.gate_up_proj"
-        return layer
-
-    ck = [checkpoint_tensors("modelopt", torch.randn(32, 64), 2.0) for _ in range(2)]
-    bad = dict(ck[1], weight_scale=ck[1]["weight_scale"].view(torch.uint8))
-    with pytest.raises(ValueError, match=r"tensor 'model.layers.1.mlp.up_proj.weight_scale': dtype: expected "
-                                         r"float8_e4m3fn block scales, got uint8"):
-        load(gate_up(), [(0, ck[0]), (1, bad)])
-    partial = {k: v for k, v in ck[1].items() if k != "weight"}
-    with pytest.raises(ValueError, match=r"tensor 'model.layers.1.mlp.up_proj.weight': missing in the checkpoint"):
-        load(gate_up(), [(0, ck[0]), (1, partial)])
-    too_wide = checkpoint_tensors("modelopt", torch.randn(32, 128), 2.0)
-    with pytest.raises(ValueError, match=r"tensor 'model.layers.1.mlp.up_proj.weight': shape: expected \[32, 32\] "
-                                         r"for vLLM's MergedColumnParallelLinear .*got \[32, 64\]"):
-        load(gate_up(), [(0, ck[0]), (1, too_wide)])
+    assert_bad_gate_up_tensors_are_named(
+        lambda: MergedColumnParallelLinear(64, [32, 32], bias=False, quant_config=cfg,
+                                           prefix="model.layers.1.mlp.gate_up_proj", params_dtype=torch.bfloat16),
+        "vLLM")
 
 
 def test_exclusions_keep_the_checkpoint_names_through_the_mapper():
