@@ -194,7 +194,8 @@ def override_for(engine_flag: str, name: str, hf_quant_cfg) -> str | None:
     try:
         parse_quant_config(hf_quant_cfg)
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"--quantization {name}: the checkpoint is not an NVFP4 checkpoint we can load: {exc}") from exc
+        raise ValueError(f"--quantization {name}: the checkpoint is not an NVFP4 checkpoint we can load: "
+                         f"{exc}") from exc
     return name
 
 

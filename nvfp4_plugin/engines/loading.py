@@ -105,7 +105,8 @@ def check_all_loaded(layer: torch.nn.Module, suffixes, num_shards: int, fused_sh
 
 
 def expert_loader(layer: torch.nn.Module, load: Callable, spec: Nvfp4QuantConfig, names: TensorNames, suffix: str,
-                  engine: str, full_sizes: Callable[[], tuple[int, int]], per_shard_views: dict | None = None) -> Callable:
+                  engine: str, full_sizes: Callable[[], tuple[int, int]],
+                  per_shard_views: dict | None = None) -> Callable:
     """Wrap the engine's MoE ``weight_loader`` for the parameter holding ``suffix`` tensors of every expert.
 
     ``full_sizes()``: the layer's hidden and intermediate sizes before TP sharding.

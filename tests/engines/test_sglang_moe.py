@@ -166,8 +166,6 @@ def test_excluded_moe_layer_falls_back_to_sglang_unquantized():
 def test_max_of_gate_up_scales_would_fail_the_moe_test(monkeypatch):
     """Mutation check: one global scale per expert for gate and up (the max, as the built-in loaders
     keep it) must break the tolerance test_moe_load_and_forward asserts."""
-    import nvfp4_plugin.engines.sglang.moe as sgl_moe
-
     monkeypatch.setenv("NVFP4_PLUGIN_ACT_MODE", "w4a16")
     real_build = engines_common.build_weight
 

@@ -126,7 +126,8 @@ def test_modelopt_gate_and_up_input_scales_are_kept_apart(monkeypatch):
 def test_expert_tensor_of_the_wrong_size_is_refused_by_name():
     """vLLM's loader would copy a smaller expert tensor into the leading rows without complaint."""
     experts = moe_layer(Nvfp4VllmConfig.from_config(MODELOPT), inter=64)
-    ckpt = [(f"0.gate_proj.{k}", v) for k, v in expert_tensors("modelopt", Nvfp4Weight.quantize(torch.randn(32, 32))).items()]
+    q = Nvfp4Weight.quantize(torch.randn(32, 32))
+    ckpt = [(f"0.gate_proj.{k}", v) for k, v in expert_tensors("modelopt", q).items()]
     with pytest.raises(ValueError, match=rf"expert 0 gate projection: tensor '{experts.layer_name}.0.w1.weight': "
                                          r"shape: expected \[64, 16\] for vLLM's RoutedExperts .*intermediate 64 "
                                          r".*got \[32, 16\]"):
@@ -147,7 +148,8 @@ def test_missing_expert_fails_by_name_after_loading():
     experts = moe_layer(Nvfp4VllmConfig.from_config(MODELOPT))
     ckpt = []
     for name in ("gate_proj", "up_proj", "down_proj"):
-        ckpt += [(f"0.{name}.{k}", v) for k, v in expert_tensors("modelopt", Nvfp4Weight.quantize(torch.randn(32, 32))).items()]
+        q = Nvfp4Weight.quantize(torch.randn(32, 32))
+        ckpt += [(f"0.{name}.{k}", v) for k, v in expert_tensors("modelopt", q).items()]
     list(experts.load_weights(ckpt))
     with pytest.raises(ValueError, match=rf"{experts.layer_name}.w13.*weight_scale_2': missing in the checkpoint "
                                          r"for shard\(s\)/expert\(s\) \[\[1, 0\], \[1, 1\]\]"):
