@@ -20,8 +20,8 @@ import pytest
 
 from tests._require import skip_module
 
-# not imported here: importing triton in this process before TRITON_INTERPRET is set (by the other
-# test_triton_* modules, on CPU) would break the interpreter for the whole session
+# not imported here: the compile checks run in child processes without TRITON_INTERPRET (which
+# tests/conftest.py sets for this process before anything imports triton)
 if importlib.util.find_spec("triton") is None:
     skip_module("triton", "triton is not installed")
 

@@ -1,6 +1,6 @@
 """Triton NVFP4 kernels (scaled_fp4_quant, nvfp4_forward) byte for byte against the reference.
 
-On a CPU-only machine the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set below
+On a CPU-only machine the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py
 before any kernel module is imported) on small shapes; on a GPU the same tests run on CUDA, plus
 the large shapes marked ``gpu``. The reference always runs on CPU copies (the ground truth).
 """

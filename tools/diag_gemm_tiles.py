@@ -1,8 +1,14 @@
-import itertools, sys, torch
+"""Every GEMM tile shape (and the default selection) against the reference, in ulps, on the shapes that once
+exposed the register-A wgmma race (gemm/NOTES.md). Run from the repository root on a GPU:
+python tools/diag_gemm_tiles.py"""
+import sys
+
+import torch
+
 sys.path.insert(0, ".")
-import tests.test_gemm as T
-from nvfp4_plugin.gemm import prepack, w4_linear
-from nvfp4_plugin.gemm.select import W4Config, select_config
+import tests.gemm_cases as T  # noqa: E402
+from nvfp4_plugin.gemm import prepack, w4_linear  # noqa: E402
+from nvfp4_plugin.gemm.select import W4Config, select_config  # noqa: E402
 cfgs = {"wg128": W4Config(bn=128, bm=128, bk=64, num_warps=8, num_stages=4),
         "wg128s3": W4Config(bn=128, bm=128, bk=64, num_warps=8, num_stages=3),
         "wg64": W4Config(bn=128, bm=64, bk=64, num_warps=8, num_stages=4),
