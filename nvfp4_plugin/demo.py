@@ -184,17 +184,9 @@ def perplexity(model, tok, text: str, seq_len: int = 512) -> tuple[float, int]:
     """exp(mean next-token cross entropy) over consecutive ``seq_len`` windows; and the token count."""
     import math
 
-    ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
-    dev = next(model.parameters()).device
-    nll, count = 0.0, 0
-    with torch.no_grad():
-        for s in range(0, ids.numel() - 1, seq_len):
-            chunk = ids[s:s + seq_len].to(dev)
-            if chunk.numel() < 2:
-                break
-            logits = model(input_ids=chunk[None]).logits[0, :-1].float()
-            nll += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
-            count += chunk.numel() - 1
+    from .checkpoints.evaluate import windowed_nll
+
+    nll, count, _ = windowed_nll(model, torch.tensor(tok(text)["input_ids"], dtype=torch.long), seq_len)
     return math.exp(nll / count), count
 
 

@@ -74,6 +74,23 @@ def _act_quant_hooks(model, scales: dict[str, torch.Tensor]):
     return handles
 
 
+def windowed_nll(model, ids: torch.Tensor, seq_len: int) -> tuple[float, int, int]:
+    """Summed next-token cross entropy of a causal LM over consecutive ``seq_len`` windows of ``ids``,
+    the number of predicted tokens and of windows (the model's device; no gradients)."""
+    device = next(model.parameters()).device
+    nll, count, windows = 0.0, 0, 0
+    with torch.no_grad():
+        for s in range(0, ids.numel() - 1, seq_len):
+            chunk = ids[s:s + seq_len].to(device)
+            if chunk.numel() < 2:
+                break
+            logits = model(input_ids=chunk[None]).logits[0, :-1].float()
+            nll += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
+            count += chunk.numel() - 1
+            windows += 1
+    return nll, count, windows
+
+
 def perplexity(model_dir, text: str, *, seq_len: int = 512, device: str = "cpu",
                activations: str = "auto") -> PplReport:
     try:
@@ -104,17 +121,8 @@ def perplexity(model_dir, text: str, *, seq_len: int = 512, device: str = "cpu",
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     handles = _act_quant_hooks(model, act_scales) if act_scales else []
     ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
-    nll, count, windows = 0.0, 0, 0
     try:
-        with torch.no_grad():
-            for s in range(0, ids.numel() - 1, seq_len):
-                chunk = ids[s:s + seq_len].to(device)
-                if chunk.numel() < 2:
-                    break
-                logits = model(input_ids=chunk[None]).logits[0, :-1].float()
-                nll += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
-                count += chunk.numel() - 1
-                windows += 1
+        nll, count, windows = windowed_nll(model, ids, seq_len)
     finally:
         for h in handles:
             h.remove()
