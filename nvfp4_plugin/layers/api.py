@@ -14,6 +14,7 @@ import torch
 from ..weights import Nvfp4Weight
 from . import registry
 from .backends.flashinfer_fp4 import FlashInferLinear
+from .backends.flashinfer_moe import FlashInferCutlassMoe
 from .backends.hopper import HopperLinear, HopperMoe
 from .backends.reference import ReferenceLinear, ReferenceMoe
 from .base import (ENV_LINEAR_BACKEND, ENV_MOE_BACKEND, Backend, LinearSpec, MoeSpec, resolve_mode,
@@ -23,7 +24,7 @@ logger = logging.getLogger("nvfp4_plugin")
 
 #: Priority order, fastest first; the reference is always last.
 LINEAR_BACKENDS: list[type[Backend]] = [HopperLinear, FlashInferLinear, ReferenceLinear]
-MOE_BACKENDS: list[type[Backend]] = [HopperMoe, ReferenceMoe]
+MOE_BACKENDS: list[type[Backend]] = [HopperMoe, FlashInferCutlassMoe, ReferenceMoe]
 
 #: Layer shapes whose kernels :meth:`_Layer._warm` already compiled in this process.
 _WARMED: set = set()
