@@ -60,3 +60,99 @@ def test_flashinfer_accepts_what_our_backend_hands_over(monkeypatch, dtype):
     with pytest.raises(ValueError):
         gemm_base._check_mm_fp4_problem_size(c["a"], c["b"], c["a_descale"], c["b_descale"],
                                              c["alpha"].double(), c["out_dtype"])
+
+
+# --- the Blackwell fused-MoE backend (flashinfer_cutlass_moe) against flashinfer.fused_moe.cutlass_fused_moe ---
+
+from nvfp4_plugin.layers.backends import flashinfer_moe as fm  # noqa: E402
+from nvfp4_plugin.layers.backends.reference import ReferenceMoe  # noqa: E402
+from nvfp4_plugin.layers.base import MoeSpec  # noqa: E402
+
+from ..emulators import flashinfer_cutlass_moe as moe_emu  # noqa: E402
+
+_E, _H, _I = 4, 128, 64
+
+
+def _moe_layer(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = Nvfp4Weight.quantize(torch.randn(_E, 2 * _I, _H, generator=g) * 0.05)
+    w2 = Nvfp4Weight.quantize(torch.randn(_E, _H, _I, generator=g) * 0.05)
+    x = torch.randn(9, _H, generator=g).to(torch.bfloat16)
+    tw, ti = reference.route_topk(torch.randn(9, _E, generator=g), 2)
+    a13 = nx.tensor_global_scale(x.float()).expand(_E).contiguous()
+    a2 = torch.linspace(300.0, 600.0, _E)
+    be = fm.FlashInferCutlassMoe()
+    t, meta = be.prepare(MoeSpec(_E, _H, _I, torch.bfloat16, "w4a4", torch.device("cpu")), w13, w2, a13, a2)
+    return w13, w2, x, tw, ti, a13, a2, be, t, meta
+
+
+def test_cutlass_fused_moe_signature_takes_our_call():
+    from flashinfer.fused_moe import ActivationType, cutlass_fused_moe
+
+    sig = inspect.signature(cutlass_fused_moe)
+    names = list(sig.parameters)
+    # we pass the first seven positionally, input_sf= and output= by name, and rely on the Swiglu default
+    assert names[:7] == ["input", "token_selected_experts", "token_final_scales", "fc1_expert_weights",
+                         "fc2_expert_weights", "output_dtype", "quant_scales"]
+    assert {"input_sf", "output", "swizzled_input_sf"} <= set(names)
+    assert sig.parameters["activation_type"].default == ActivationType.Swiglu == moe_emu.SWIGLU
+    assert sig.parameters["swizzled_input_sf"].default is True
+    # the emulator takes the same parameters, in the same order
+    assert list(inspect.signature(moe_emu.cutlass_fused_moe).parameters) == names
+
+
+def test_our_moe_layout_is_vllms_flashinfer_cutlass_layout(monkeypatch):
+    """vLLM 0.26 prepares NVFP4 experts for this kernel with reorder_w1w3_to_w3w1 + swizzle_blockscale
+    (flashinfer_fp4_moe.py) and g1_alphas = weight_scale_2 x input_scale: our load-time conversion gives the
+    same bytes and the same alphas."""
+    require("vllm.model_executor.layers.fused_moe")   # first: vLLM's quantization utils import it circularly
+    from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import reorder_w1w3_to_w3w1
+    from vllm.model_executor.layers.quantization.utils.nvfp4_utils import swizzle_blockscale
+
+    w13, w2, x, tw, ti, a13, a2, be, t, meta = _moe_layer()
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)   # its swizzle ends with .cuda()
+    vw, vs = reorder_w1w3_to_w3w1(w13.packed.clone(), w13.block_scale.clone())
+    assert torch.equal(t["fc1_weight"].view(torch.uint8), vw)
+    assert torch.equal(t["fc1_weight_sf"].view(torch.uint8), swizzle_blockscale(vs).view(torch.uint8))
+    assert torch.equal(t["fc2_weight_sf"].view(torch.uint8), swizzle_blockscale(w2.block_scale).view(torch.uint8))
+    # vLLM's decode-convention scales: weight_scale_2 = 1 / encode scale, input_scale = 1 / encode scale
+    g1 = (1.0 / w13.global_scale[:, 0]) * (1.0 / a13)
+    assert torch.allclose(t["fc1_alpha"], g1, rtol=2 ** -22, atol=0)
+
+
+def test_flashinfers_own_helpers_read_our_layout():
+    """FlashInfer's CPU 128x4 un-swizzle gives back our block scales, expert by expert; FlashInfer's own
+    reference of cutlass_fused_moe (trace/templates/moe.py: SwiGLU with the gate in the second half of fc1)
+    on our prepared weights computes our layer (the reference backend, weight-only), and the halves the
+    other way round do not."""
+    from flashinfer.gemm.gemm_bf16_fp4 import _unswizzle_sf_128x4
+    from flashinfer.trace.templates.moe import _cutlass_fused_moe_reference
+
+    sw = torch.randint(0, 255, (256, 12), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(moe_emu._unswizzle(sw, 200, 10), _unswizzle_sf_128x4(sw, 200, 10).reshape(200, 10))
+    w13, w2, x, tw, ti, a13, a2, be, t, meta = _moe_layer(1)
+    sf1 = t["fc1_weight_sf"].view(torch.uint8)
+    sf2 = t["fc2_weight_sf"].view(torch.uint8)
+    up_gate = torch.cat((w13.block_scale[:, _I:], w13.block_scale[:, :_I]), 1)
+    for e in range(_E):
+        assert torch.equal(_unswizzle_sf_128x4(sf1[e], 2 * _I, _H // 16).reshape(2 * _I, -1),
+                           up_gate[e].view(torch.uint8))
+        assert torch.equal(_unswizzle_sf_128x4(sf2[e], _H, _I // 16).reshape(_H, -1),
+                           w2.block_scale[e].view(torch.uint8))
+
+    def dequant(w64, sf, rows, k, gs):
+        codes = nx.unpack_fp4(w64.view(torch.uint8).reshape(_E, rows, k // 2))
+        scales = torch.stack([_unswizzle_sf_128x4(sf[e], rows, k // 16).reshape(rows, -1) for e in range(_E)])
+        vals = nx.e2m1_decode(codes).unflatten(-1, (-1, 16)) * scales.view(torch.float8_e4m3fn).float()[..., None]
+        return vals.flatten(-2) / gs[:, None, None]
+
+    fc1 = dequant(t["fc1_weight"], sf1, 2 * _I, _H, w13.global_scale[:, 0])
+    fc2 = dequant(t["fc2_weight"], sf2, _H, _I, w2.global_scale[:, 0])
+    theirs = _cutlass_fused_moe_reference(x, ti, tw, fc1, fc2).double()
+    spec = MoeSpec(_E, _H, _I, torch.bfloat16, "w4a16", torch.device("cpu"))
+    rt, rm = ReferenceMoe().prepare(spec, w13, w2, None, None)
+    ours = ReferenceMoe().apply(rt, rm, x, tw, ti).double()
+    assert (theirs - ours).norm() / ours.norm() < 1e-2
+    swapped = torch.cat((fc1[:, _I:], fc1[:, :_I]), 1)
+    wrong = _cutlass_fused_moe_reference(x, ti, tw, swapped, fc2).double()
+    assert (wrong - ours).norm() / ours.norm() > 0.3
