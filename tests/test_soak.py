@@ -1,0 +1,370 @@
+"""integration/soak.py against a fake OpenAI-compatible server on 127.0.0.1 (CPU, a few seconds).
+
+The fake streams SSE in HTTP chunks like uvicorn, honours max_tokens, stop and ignore_eos, answers the
+invalid kinds with 400 JSON like vLLM and SGLang do, and can misbehave on request: a 500 on some valid
+requests, streams without [DONE], a 500 for malformed JSON. Run as a script (``--serve PORT``) it is
+the server that the launch test starts in its own process group.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_LEN = 256
+GEN_WORDS = ("alpha", "beta.", "gamma", "the", "delta,", "sing", "epsilon", "zeta!", "eta", "theta")
+
+
+def _load_soak():
+    spec = importlib.util.spec_from_file_location("soak", ROOT / "integration" / "soak.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ----------------------------------------------------------------------------------------------
+# The fake server
+# ----------------------------------------------------------------------------------------------
+
+class FakeOpenAI(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, port: int = 0, fail_valid_every: int = 0, drop_done: bool = False,
+                 malformed_500: bool = False, token_delay: float = 0.0005):
+        super().__init__(("127.0.0.1", port), _Handler)
+        self.fail_valid_every, self.drop_done, self.malformed_500 = fail_valid_every, drop_done, malformed_500
+        self.token_delay = token_delay
+        self.n_valid = 0
+        self.lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def __enter__(self):
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+        self.server_close()
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _generate(prompt_tokens: int, body: dict, max_tokens: int) -> tuple[list[str], str, int]:
+    """Pieces of text, finish reason and completion tokens; deterministic in the request. An EOS token
+    comes early unless ignore_eos; a stop string ends the text before it (the stop token counts)."""
+    seed = prompt_tokens * 7 + max_tokens
+    eos_at = None if body.get("ignore_eos") else 3 + seed % 40
+    stops = body.get("stop") or []
+    stops = [stops] if isinstance(stops, str) else stops
+    pieces: list[str] = []
+    for i in range(max_tokens):
+        if i == eos_at:
+            return pieces, "stop", i + 1
+        pieces.append(" " + GEN_WORDS[(seed + i * 3) % len(GEN_WORDS)])
+        text = "".join(pieces)
+        cuts = [text.find(s) for s in stops if s in text]
+        if cuts:
+            kept, n = [], min(cuts)
+            for p in pieces:
+                if n > 0:
+                    kept.append(p[:n])
+                n -= len(p)
+            return kept, "stop", i + 1
+    return pieces, "length", max_tokens
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: FakeOpenAI
+
+    def log_message(self, *args):
+        pass
+
+    def _json(self, status: int, obj) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+        self.close_connection = True
+
+    def _error(self, status: int, message: str) -> None:
+        self._json(status, {"error": {"message": message, "type": "BadRequestError", "code": status}})
+
+    def do_GET(self):
+        if self.path == "/health":
+            self._json(200, {})
+        elif self.path == "/v1/models":
+            self._json(200, {"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": "fake",
+                                                         "max_model_len": MAX_LEN}]})
+        else:
+            self._error(404, "not found")
+
+    def do_POST(self):
+        raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        try:
+            self._post(raw)
+        except _BadRequest as e:
+            self._error(e.status, str(e))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client closed mid-stream
+
+    def _post(self, raw: bytes) -> None:
+        chat = self.path == "/v1/chat/completions"
+        if self.path not in ("/v1/completions", "/v1/chat/completions"):
+            raise _BadRequest(404, "no such route")
+        if self.headers.get("Content-Type", "").split(";")[0] != "application/json":
+            raise _BadRequest(400, "Only 'application/json' is allowed")
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            if self.server.malformed_500 and raw:
+                raise _BadRequest(500, "Internal server error") from None
+            raise _BadRequest(400, "malformed JSON") from None
+        if not isinstance(body, dict):
+            raise _BadRequest(400, "body is not an object")
+        if body.get("model", "fake") != "fake":
+            raise _BadRequest(404, f"The model `{body['model']}` does not exist.")
+        if chat:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs or not all(isinstance(m.get("content"), str) for m in msgs):
+                raise _BadRequest(400, "messages: field required")
+            prompt_tokens = sum(len(m["content"].split()) + 4 for m in msgs) + 2
+            max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16))
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, str) and prompt:
+                prompt_tokens = len(prompt.split())
+            elif isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
+                prompt_tokens = len(prompt)
+            else:
+                raise _BadRequest(400, "Either prompt or prompt_embeds must be provided and non-empty.")
+            max_tokens = body.get("max_tokens", 16)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+            raise _BadRequest(400, "max_tokens: Input should be a valid integer")
+        temperature = body.get("temperature", 1.0)
+        if not isinstance(temperature, (int, float)) or temperature < 0:
+            raise _BadRequest(400, "temperature must be non-negative")
+        if max_tokens < 1:
+            raise _BadRequest(400, f"max_tokens must be at least 1, got {max_tokens}.")
+        if prompt_tokens >= MAX_LEN or prompt_tokens + max_tokens > MAX_LEN:
+            raise _BadRequest(400, f"This model's maximum context length is {MAX_LEN} tokens.")
+        with self.server.lock:
+            self.server.n_valid += 1
+            n = self.server.n_valid
+        if self.server.fail_valid_every and n % self.server.fail_valid_every == 0:
+            raise _BadRequest(500, "Internal server error")
+        pieces, finish, tokens = _generate(prompt_tokens, body, max_tokens)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens}
+        if not body.get("stream"):
+            text = "".join(pieces)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                      if chat else {"index": 0, "text": text, "finish_reason": finish})
+            return self._json(200, {"id": "x", "object": "chat.completion" if chat else "text_completion",
+                                    "choices": [choice], "usage": usage})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+
+        def event(obj) -> None:
+            data = ("data: " + (obj if isinstance(obj, str) else json.dumps(obj)) + "\n\n").encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+
+        def choice(piece, fin=None):
+            return ({"index": 0, "delta": {"content": piece}, "finish_reason": fin} if chat
+                    else {"index": 0, "text": piece, "finish_reason": fin})
+        if chat:
+            event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+        for p in pieces:
+            time.sleep(self.server.token_delay)
+            event({"choices": [choice(p)]})
+        event({"choices": [choice("", finish)]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            event({"choices": [], "usage": usage})
+        if not self.server.drop_done:
+            event("[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------------------------
+
+def _cfg(soak, **kw):
+    base = dict(clients=8, requests=60, min_duration=0, seed=1, request_timeout=20, gpu="off",
+                sample_interval=0.05, invalid_share=0.3, disconnect_share=0.1, long_tokens=64)
+    base.update(kw)
+    return soak.SoakConfig(**base)
+
+
+def test_soak_passes_against_a_well_behaved_server(tmp_path):
+    soak = _load_soak()
+    with FakeOpenAI() as srv:
+        rc = soak.main(["--url", srv.url, "--out", str(tmp_path), "--clients", "8", "--requests", "60",
+                        "--min-duration", "0", "--seed", "1", "--invalid-share", "0.3", "--gpu", "off",
+                        "--long-tokens", "64", "--sample-interval", "0.05"])
+    res = json.loads((tmp_path / "soak.json").read_text())
+    assert rc == 0, res["problems"]
+    assert res["passed"] and res["load"]["requests"] >= 60
+    assert res["valid"]["failed"] == 0 and res["valid"]["ok"] > 20
+    assert res["invalid"]["sent"] >= len(soak.INVALID_KINDS)
+    assert all(k["sent"] >= 1 and k["clean_4xx"] == k["sent"] for k in res["invalid"]["by_kind"].values())
+    assert res["invalid"]["by_kind"]["malformed_json"]["statuses"] == {"400": res["invalid"]["by_kind"]
+                                                                       ["malformed_json"]["sent"]}
+    assert res["latency"]["ttft_ms"]["n"] > 0 and res["latency"]["itl_ms"]["n"] > 0
+    assert res["load"]["output_tokens"] > 0
+    assert res["server"]["chat"].startswith("on") and res["valid"]["classes"].get("chat", 0) > 0
+    assert res["memory"] == {}  # --url without --server-pid and --gpu off: nothing sampled
+    assert "PASS" in (tmp_path / "soak.md").read_text()
+    lines = gzip.open(tmp_path / "requests.jsonl.gz", "rt").read().splitlines()
+    assert len(lines) == res["load"]["requests"]
+
+
+def test_the_plan_is_seeded_and_fills_the_context():
+    soak = _load_soak()
+    t = soak.Target("127.0.0.1", 1, "m", 512, "x", True, words={"completions": (1.3, 8.0), "chat": (1.3, 20.0)})
+
+    def plan(seed, n=400):
+        p = soak.Planner(_cfg(soak, seed=seed, invalid_share=0.1, long_tokens=1024), t)
+        return [p.spec(i) for i in range(n)]
+    a, b, c = plan(3), plan(3), plan(4)
+    assert [s.payload() for s in a] == [s.payload() for s in b]
+    assert [s.payload() for s in a] != [s.payload() for s in c]
+    kinds = {s.kind for s in a}
+    assert set(soak.INVALID_KINDS) <= kinds and set(soak.LENIENT_KINDS) <= kinds
+    at_limit = [s for s in a if s.category == "valid" and s.kind.endswith("at-limit-ids")]
+    assert at_limit and all(len(s.body["prompt"]) + s.max_tokens == 512 for s in at_limit)
+    too_long = [s for s in a if s.kind == "prompt_too_long" and s.endpoint == "completions"]
+    assert all(len(s.body["prompt"]) > 512 for s in too_long)
+    assert {s.max_tokens for s in a if s.kind.startswith("completions/") and "out-one" in s.kind} == {1}
+    # long outputs: --long-tokens 1024 capped at half the context
+    assert any(s.body.get("ignore_eos") and s.max_tokens == 256 for s in a if s.category == "valid")
+    assert any(s.stream for s in a) and any(not s.stream for s in a) and any(s.stop for s in a)
+
+
+def test_500_on_valid_requests_fails():
+    soak = _load_soak()
+    with FakeOpenAI(fail_valid_every=7) as srv:
+        res, _ = soak.run_soak(srv.url, _cfg(soak))
+    assert not res["passed"]
+    assert res["valid"]["failures"].get("http_500", 0) > 0
+    assert res["invalid"]["failed"] == 0
+
+
+def test_stream_without_done_fails():
+    soak = _load_soak()
+    with FakeOpenAI(drop_done=True) as srv:
+        res, _ = soak.run_soak(srv.url, _cfg(soak, disconnect_share=0))
+    assert not res["passed"]
+    assert set(res["valid"]["failures"]) == {"stream_missing_done"}
+
+
+def test_500_for_malformed_json_fails():
+    soak = _load_soak()
+    with FakeOpenAI(malformed_500=True) as srv:
+        res, _ = soak.run_soak(srv.url, _cfg(soak))
+    assert not res["passed"]
+    bad = res["invalid"]["by_kind"]["malformed_json"]
+    assert bad["sent"] > 0 and bad["failures"] == {"invalid_got_500": bad["sent"]}
+    assert res["valid"]["failed"] == 0
+    assert all(k["failed"] == 0 for name, k in res["invalid"]["by_kind"].items() if name != "malformed_json")
+
+
+def test_growing_memory_fails_and_flat_memory_passes():
+    soak = _load_soak()
+    t0 = time.monotonic()
+    samplers = {"host_rss": ("injected", lambda: 1000 + 50 * (time.monotonic() - t0)),   # 3000 MiB/min
+                "gpu_memory": ("injected", lambda: 40000.0)}
+    with FakeOpenAI() as srv:
+        res, _ = soak.run_soak(srv.url, _cfg(soak, min_duration=1.0), samplers=samplers)
+    rss, gpu = res["memory"]["host_rss"], res["memory"]["gpu_memory"]
+    assert rss["flat"] is False and rss["slope_mib_per_min"] > 1000
+    assert gpu["flat"] is True and gpu["slope_mib_per_min"] == 0
+    assert gpu["start_mib"] == gpu["end_mib"] == 40000.0
+    assert not res["passed"] and any("host_rss not flat" in p for p in res["problems"])
+
+
+LEAKER = """
+import subprocess, sys, time
+if sys.argv[1] == "parent":  # the leak is in a child: the sampler must walk the process tree
+    p = subprocess.Popen([sys.executable, __file__, "child"]); p.wait()
+else:
+    hoard = []
+    while True:
+        hoard.append(b"x" * (4 << 20)); time.sleep(0.03)
+"""
+
+
+def test_server_pid_rss_of_a_leaking_process_tree(tmp_path):
+    soak = _load_soak()
+    script = tmp_path / "leak.py"
+    script.write_text(LEAKER)
+    parent = subprocess.Popen([sys.executable, str(script), "parent"])
+    try:
+        time.sleep(0.3)
+        assert len(soak.process_tree(parent.pid)) == 2
+        with FakeOpenAI() as srv:
+            res, _ = soak.run_soak(srv.url, _cfg(soak, min_duration=1.0), server_pid=parent.pid)
+    finally:
+        for pid in reversed(soak.process_tree(parent.pid)):
+            os.kill(pid, 9)
+        parent.wait()
+    rss = res["memory"]["host_rss"]
+    assert rss["end_mib"] > rss["start_mib"] + 50 and rss["flat"] is False
+    assert res["valid"]["failed"] == 0 and not res["passed"]
+
+
+def test_launch_waits_for_health_and_stops_the_process_group(tmp_path):
+    soak = _load_soak()
+    with FakeOpenAI() as probe:  # a free port, released before the child binds it
+        port = probe.server_address[1]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", str(port)]
+    res, records = soak.run_launched(cmd, f"http://127.0.0.1:{port}", _cfg(soak), tmp_path / "server.log",
+                                     startup_timeout=30, poll=0.1)
+    assert res["passed"], res["problems"]
+    assert res["server"]["exit_code"] is not None       # stopped
+    assert res["memory"]["host_rss"]["samples"] > 0      # the launched server's tree was sampled
+    assert len(records) == res["load"]["requests"]
+
+
+def test_slope_and_percentiles():
+    soak = _load_soak()
+    assert soak.slope_per_min([(0, 10.0), (30, 11.0), (60, 12.0)]) == 2.0
+    assert soak.slope_per_min([(5, 1.0)]) is None
+    p = soak.percentiles([1, 2, 3, 4, 5], scale=1e3)
+    assert p["p50"] == 3000 and p["max"] == 5000 and p["n"] == 5
+    j = soak.judge_memory([(float(t), 100.0 + t / 60) for t in range(0, 120, 2)], 0, 120, max_slope=5)
+    assert j["flat"] is True and abs(j["slope_mib_per_min"] - 1.0) < 1e-6
+    short = soak.judge_memory([(0.0, 1.0), (1.0, 2.0)], 0, 1, max_slope=5)
+    assert short["flat"] is None
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:
+    srv = FakeOpenAI(port=int(sys.argv[2]))
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        srv.server_close()
