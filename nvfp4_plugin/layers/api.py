@@ -100,7 +100,18 @@ class Nvfp4Linear(_Layer):
 
 
 class Nvfp4FusedMoE(_Layer):
-    """Routed experts with SiLU-and-mul: ``sum_k w_k * W2[e_k] silu_mul(W13[e_k] x)``."""
+    """Routed experts with SiLU-and-mul: ``sum_k w_k * W2[e_k] silu_mul(W13[e_k] x)``.
+
+    Two input layouts, the two that expert-parallel engines hand a MoE layer:
+
+    * standard (``__call__``): tokens ``x [T, H]`` with their top-k ids and weights. Ids outside
+      ``[0, E)`` (-1: an expert of another expert-parallel rank) contribute nothing and are never
+      computed, on every backend.
+    * masked (:meth:`forward_masked`): tokens already dispatched to this rank's experts, ``x [E, max_m, H]``
+      with ``mask[E]`` valid rows per expert (vLLM's batched-experts format, DeepEP's low-latency
+      dispatch). No routing weights: the engine's combine applies them. Backends that define
+      ``apply_masked(tensors, meta, x, mask, out)`` offer it (see :attr:`supports_masked`).
+    """
 
     def __init__(self, w13: Nvfp4Weight, w2: Nvfp4Weight, a13_global_scale: torch.Tensor | None = None,
                  a2_global_scale: torch.Tensor | None = None, act_dtype: torch.dtype = torch.bfloat16):
@@ -119,6 +130,42 @@ class Nvfp4FusedMoE(_Layer):
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return registry.moe_op(x, topk_weights, topk_ids, self.key)
 
+    @property
+    def supports_masked(self) -> bool:
+        """Whether the selected backend computes the masked layout (:meth:`forward_masked`)."""
+        return callable(getattr(self.backend, "apply_masked", None))
+
+    def forward_masked(self, x: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The masked layout of expert-parallel dispatch: for each expert ``e`` and row ``r < mask[e]``,
+        ``out[e, r] = W2[e] silu_mul(W13[e] x[e, r])`` (no routing weights).
+
+        x:    ``[E, max_m, H]`` of the layer's activation dtype (``E``: this layer's, i.e. the local experts).
+        mask: int32 ``[E]`` on x's device, valid rows per expert (values above ``max_m`` act as ``max_m``);
+              never read on the host, so the call is CUDA-graph safe.
+        out:  ``[E, max_m, H]`` to write into (e.g. the engine's workspace); rows at or past ``mask[e]``
+              are left untouched. Allocated (uninitialized) when not given. Returns ``out``.
+        """
+        s = self.spec
+        if not self.supports_masked:
+            raise NotImplementedError(f"fused MoE backend {self.backend.name!r} has no masked-layout path "
+                                      "(expert-parallel low-latency dispatch); backends with one: hopper_triton, "
+                                      "reference")
+        if x.dim() != 3 or x.shape[0] != s.num_experts or x.shape[2] != s.hidden:
+            raise ValueError(f"x: expected [E={s.num_experts}, max_m, H={s.hidden}], got {tuple(x.shape)}")
+        if x.dtype != s.act_dtype:
+            raise TypeError(f"x: expected dtype {s.act_dtype} (the layer's activation dtype), got {x.dtype}")
+        if mask.dtype != torch.int32 or tuple(mask.shape) != (s.num_experts,) or mask.device != x.device:
+            raise ValueError(f"mask: expected int32 [{s.num_experts}] on {x.device}, got {mask.dtype} "
+                             f"{list(mask.shape)} on {mask.device}")
+        if out is None:
+            out = torch.empty_like(x)
+        elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+            raise ValueError(f"out: expected {x.dtype} {list(x.shape)} on {x.device}, got {out.dtype} "
+                             f"{list(out.shape)} on {out.device}")
+        if x.shape[1] > 0:
+            registry.moe_masked_op(x, mask, out, self.key)
+        return out
+
     def warmup(self, max_tokens: int, top_k: int) -> None:
         """Compile every kernel a forward of 1..``max_tokens`` tokens routed to ``top_k`` experts each can
         launch (the kernels depend on the routed row count only). Call after loading."""
@@ -135,3 +182,19 @@ class Nvfp4FusedMoE(_Layer):
         key = (f"fused MoE E={s.num_experts} H={s.hidden} I={s.intermediate} top_k={top_k}", s, max_tokens)
         self._warm(key, lambda: self.backend.warmup_sizes(self.tensors, self.meta, max_tokens, top_k=top_k),
                    make_run)
+
+    def warmup_masked(self, max_m: int) -> None:
+        """Compile what :meth:`forward_masked` launches for ``x [E, max_m, H]`` (the kernels depend on
+        ``max_m`` only, not on the mask), so that the first dispatched batch waits for no compiler.
+        Engines know ``max_m`` once their dispatcher is built (tokens per rank x ranks)."""
+        s = self.spec
+        if not self.supports_masked or max_m < 1:
+            return
+
+        def make_run(m: int):
+            x = torch.zeros(s.num_experts, m, s.hidden, dtype=s.act_dtype, device=s.device)
+            mask = torch.full((s.num_experts,), m, dtype=torch.int32, device=s.device)
+            return lambda _: self.forward_masked(x, mask)
+
+        key = (f"fused MoE E={s.num_experts} H={s.hidden} I={s.intermediate} masked max_m={max_m}", s, max_m)
+        self._warm(key, lambda: [max_m] if s.device.type == "cuda" else [], make_run)

@@ -114,6 +114,25 @@ class HopperMoe(_Hopper):
         return w4_fused_moe(x, _unpacked("w13_", l13, t), _unpacked("w2_", l2, t), topk_weights, topk_ids, mode=mode,
                             a13_global_scale=t.get("a13_global_scale"), a2_global_scale=t.get("a2_global_scale"))
 
+    def apply_masked(self, t, meta, x, mask, out):
+        """The masked layout (expert-parallel low-latency dispatch), numerics of :meth:`apply` row for row:
+        ``w4_masked`` for W13 (in w4a4 it quantizes each expert's valid rows with our masked NVFP4
+        quantization, ``silu_and_mul_scaled_fp4_experts_quant`` without SiLU), SiLU-and-mul, ``w4_masked``
+        for W2 into ``out``. Rows at or past ``mask[e]`` of ``out`` are not written.
+
+        The SiLU-and-mul runs over all ``max_m`` rows of every expert (those past the mask hold whatever
+        the first GEMM left there and are never read again): no shape depends on the mask."""
+        from ...gemm import w4_masked
+        from ...gemm.moe_glue import silu_and_mul
+
+        l13, l2, mode = meta
+        num_e, max_m, _ = x.shape
+        kw13 = dict(mode=mode, input_global_scale=t["a13_global_scale"]) if mode == "w4a4" else {}
+        hmid = w4_masked(x, _unpacked("w13_", l13, t), mask, **kw13)
+        act = silu_and_mul(hmid.view(num_e * max_m, l13.n)).view(num_e, max_m, l13.n // 2)
+        kw2 = dict(mode=mode, input_global_scale=t["a2_global_scale"]) if mode == "w4a4" else {}
+        w4_masked(act, _unpacked("w2_", l2, t), mask, out=out, **kw2)
+
     def warmup_sizes(self, t, meta, max_tokens, *, top_k: int, **kw):
         from ...gemm import warmup_sizes_fused_moe
 

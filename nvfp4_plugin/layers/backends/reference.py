@@ -1,5 +1,7 @@
 """Reference backend: weights stay NVFP4 in device memory; each forward dequantizes them and runs a
-plain bf16/fp16 matmul (a dense layer on a CPU dequantizes once, at load) (MoE: ``torch._grouped_mm`` over tokens sorted by expert, no host sync).
+plain bf16/fp16 matmul (a dense layer on a CPU dequantizes once, at load). MoE: ``torch._grouped_mm``
+over tokens sorted by expert, no host sync; the masked layout of expert-parallel dispatch runs the
+same ``torch._grouped_mm`` over every expert's ``max_m`` rows.
 
 Slow but simple and exact to the numerics contract; every faster backend is compared with it.
 Pure torch ops only, so it traces under torch.compile and replays in CUDA graphs (constants such
@@ -81,21 +83,53 @@ class ReferenceMoe(Backend):
         num_experts = t["w13_packed"].shape[0]
         num_tokens, top_k = topk_ids.shape
         flat = topk_ids.reshape(-1).to(torch.int64)
-        order = torch.argsort(flat, stable=True)
+        # ids outside [0, E) (experts of other expert-parallel ranks) sort last, past offs[E-1]: the
+        # grouped GEMMs never compute them and the combine skips them
+        valid = (flat >= 0) & (flat < num_experts)
+        key = torch.where(valid, flat, torch.full_like(flat, num_experts))
+        order = torch.argsort(key, stable=True)
         token = order // top_k
         # counts per expert without torch.bincount, which reads the max on the host (a sync)
-        counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-        offs = counts.cumsum(0).to(torch.int32)
+        counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device).scatter_add_(0, key,
+                                                                                               torch.ones_like(key))
+        offs = counts[:num_experts].cumsum(0).to(torch.int32)
+        expert = key[order].clamp(max=num_experts - 1)
         xs = x[token]
         if mode == "w4a4":
-            xs = fake_quant_rows(xs, t["a13_global_scale"][flat[order]], t["e2m1_table"])
-        w13 = dequantize(t["w13_packed"], t["w13_block_scale"], t["w13_global_scale"], t["e2m1_table"], x.dtype)
-        h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
-        a = nx.silu_and_mul_fp32(h)
+            xs = fake_quant_rows(xs, t["a13_global_scale"][expert], t["e2m1_table"])
+        a = nx.silu_and_mul_fp32(self._gemm(t, "w13_", xs, offs))
         if mode == "w4a4":
-            a = fake_quant_rows(a, t["a2_global_scale"][flat[order]], t["e2m1_table"])
-        w2 = dequantize(t["w2_packed"], t["w2_block_scale"], t["w2_global_scale"], t["e2m1_table"], x.dtype)
-        y = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
-        y = y.float() * topk_weights.reshape(-1)[order].float()[:, None]
+            a = fake_quant_rows(a, t["a2_global_scale"][expert], t["e2m1_table"])
+        y = self._gemm(t, "w2_", a, offs)
+        # rows of ids outside [0, E) hold whatever torch._grouped_mm left there: selected away, not multiplied
+        y = torch.where(valid[order][:, None], y.float() * topk_weights.reshape(-1)[order].float()[:, None], 0.0)
         out = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
         return out.index_add_(0, token, y).to(x.dtype)
+
+    def apply_masked(self, t: dict, mode: str, x: torch.Tensor, mask: torch.Tensor, out: torch.Tensor) -> None:
+        """The masked layout (expert-parallel low-latency dispatch): ``out[e, r] = W2[e] silu_mul(W13[e] x[e, r])``
+        for ``r < mask[e]``, no routing weights (the engine's combine applies them); rows at or past
+        ``mask[e]`` of ``out`` are left as they are.
+
+        The math of :meth:`apply` row for row (the same dequantized weights, ``torch._grouped_mm``,
+        activation quantization and fp32 SiLU), over all ``max_m`` rows of every expert: no shape
+        depends on the mask, so nothing reads it on the host."""
+        num_experts, max_m, hidden = x.shape
+        rows = torch.arange(max_m, device=x.device)
+        valid = rows[None, :] < mask.to(torch.int64)[:, None]                    # [E, max_m]
+        offs = (torch.arange(1, num_experts + 1, device=x.device) * max_m).to(torch.int32)
+        xs = x.reshape(num_experts * max_m, hidden)
+        if mode == "w4a4":
+            xs = fake_quant_rows(xs, t["a13_global_scale"].repeat_interleave(max_m), t["e2m1_table"])
+        a = nx.silu_and_mul_fp32(self._gemm(t, "w13_", xs, offs))
+        if mode == "w4a4":
+            a = fake_quant_rows(a, t["a2_global_scale"].repeat_interleave(max_m), t["e2m1_table"])
+        y = self._gemm(t, "w2_", a, offs).view(num_experts, max_m, hidden)
+        out.copy_(torch.where(valid[..., None], y, out))
+
+    @staticmethod
+    def _gemm(t: dict, prefix: str, xs: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """``xs @ dequant(W[e])^T`` for the rows of expert e (``offs``: cumulative row ends)."""
+        w = dequantize(t[f"{prefix}packed"], t[f"{prefix}block_scale"], t[f"{prefix}global_scale"], t["e2m1_table"],
+                       xs.dtype)
+        return torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
