@@ -182,19 +182,3 @@ class Nvfp4FusedMoE(_Layer):
         key = (f"fused MoE E={s.num_experts} H={s.hidden} I={s.intermediate} top_k={top_k}", s, max_tokens)
         self._warm(key, lambda: self.backend.warmup_sizes(self.tensors, self.meta, max_tokens, top_k=top_k),
                    make_run)
-
-    def warmup_masked(self, max_m: int) -> None:
-        """Compile what :meth:`forward_masked` launches for ``x [E, max_m, H]`` (the kernels depend on
-        ``max_m`` only, not on the mask), so that the first dispatched batch waits for no compiler.
-        Engines know ``max_m`` once their dispatcher is built (tokens per rank x ranks)."""
-        s = self.spec
-        if not self.supports_masked or max_m < 1:
-            return
-
-        def make_run(m: int):
-            x = torch.zeros(s.num_experts, m, s.hidden, dtype=s.act_dtype, device=s.device)
-            mask = torch.full((s.num_experts,), m, dtype=torch.int32, device=s.device)
-            return lambda _: self.forward_masked(x, mask)
-
-        key = (f"fused MoE E={s.num_experts} H={s.hidden} I={s.intermediate} masked max_m={max_m}", s, max_m)
-        self._warm(key, lambda: [max_m] if s.device.type == "cuda" else [], make_run)
