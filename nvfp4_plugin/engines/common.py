@@ -28,8 +28,8 @@ from ..weights import Nvfp4Weight
 __all__ = ["CheckpointError", "DEFAULT_PACKED_MODULES", "NAME", "Nvfp4ConfigMethods", "Nvfp4QuantConfig", "ParamSpec",
            "TensorNames", "build_weight", "check_linear_sizes", "check_moe_sizes", "finish_linear", "finish_moe",
            "input_scales", "is_layer_excluded", "layer_prefix", "layer_tensor_names", "linear_parameters",
-           "moe_parameters", "override_for", "parse_quant_config", "refuse_unsupported", "register_prepared",
-           "validate_model_dir"]
+           "local_expert_ids", "log_moe_path", "moe_parameters", "override_for", "parse_quant_config",
+           "refuse_unsupported", "register_prepared", "validate_model_dir"]
 
 logger = logging.getLogger("nvfp4_plugin")
 
@@ -379,3 +379,30 @@ def finish_moe(module: torch.nn.Module, prefix: str, fmt: str, act_dtype: torch.
             delattr(module, f"{part}_{name}")
     register_prepared(module, core)
     core.warmup(warmup_tokens or DEFAULT_WARMUP_TOKENS, top_k)
+
+
+# ------------------------------------------------------------------------------------------------
+# Expert parallelism: what the engines hand the MoE method, in the layer's vocabulary
+# ------------------------------------------------------------------------------------------------
+
+def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
+    """Global top-k expert ids -> this rank's expert ids through ``expert_map`` (``[E_global]``, the local
+    id of each expert or -1 where another rank holds it); experts of other ranks and ids that are already
+    -1 (dropped padding) become -1, which :class:`~nvfp4_plugin.layers.Nvfp4FusedMoE` never computes.
+    ``expert_map`` None: the ids are already local. On the device, no host sync."""
+    if expert_map is None:
+        return topk_ids
+    local = expert_map[topk_ids.clamp(min=0).long()]          # (a raw -1 would index the last expert)
+    return torch.where(topk_ids >= 0, local, torch.full_like(local, -1))
+
+
+_PATHS_LOGGED: set = set()
+
+
+def log_moe_path(engine: str, prefix: str, path: str) -> None:
+    """One INFO line per process and (engine, path): which expert-parallel format the engine hands our
+    MoE method and which of our paths consumes it (``prefix``: the first layer that took it)."""
+    if (engine, path) in _PATHS_LOGGED:
+        return
+    _PATHS_LOGGED.add((engine, path))
+    logger.info("nvfp4_plugin: %s MoE %s (first layer: %s)", engine, path, prefix)

@@ -1,5 +1,6 @@
 """Build real vLLM layers on a CPU machine (vLLM's CPU platform, a 1-process gloo group), with
-tensor parallelism simulated by patching the TP rank/size that layers and parameters read."""
+tensor parallelism simulated by patching the TP rank/size that layers and parameters read, and expert
+parallelism by vLLM's own flag on top of it."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def start():
     init_distributed_environment(world_size=1, rank=0, local_rank=0,
                                  distributed_init_method=f"file://{tempfile.mktemp()}", backend="gloo")
     initialize_model_parallel(1, 1)
+    from vllm.v1.worker.workspace import init_workspace_manager
+
+    init_workspace_manager(torch.device("cpu"))     # the modular MoE kernels take their buffers from it
     import nvfp4_plugin.engines.vllm as nv
 
     nv.register()
@@ -52,6 +56,23 @@ def simulated_tp(size: int, rank: int):
                 st.enter_context(mock.patch(f"{t}.get_tensor_model_parallel_world_size", return_value=size))
             st.enter_context(mock.patch(f"{t}.get_tensor_model_parallel_rank", return_value=rank))
         yield
+
+
+@contextlib.contextmanager
+def simulated_ep(size: int, rank: int):
+    """``--tensor-parallel-size size --enable-expert-parallel`` as rank ``rank``: MoE layers built inside hold
+    experts ``[rank * E / size, (rank + 1) * E / size)`` whole (vLLM's linear placement) and get every token
+    with global top-k ids and their ``expert_map``; the runner sums the ranks' outputs (the TP all-reduce)."""
+    from vllm.config import get_current_vllm_config
+
+    pc = get_current_vllm_config().parallel_config
+    saved = pc.enable_expert_parallel
+    pc.enable_expert_parallel = True
+    try:
+        with simulated_tp(size, rank):
+            yield
+    finally:
+        pc.enable_expert_parallel = saved
 
 
 _COUNTER = iter(range(10**9))
