@@ -60,16 +60,24 @@ def row_runs(global_scale: torch.Tensor) -> list[tuple[int, int]]:
     return runs
 
 
-class FlashInferLinear(Backend):
-    name = "flashinfer_fp4"
+class FlashInferBackend(Backend):
+    """What the FlashInfer-backed Blackwell backends share: the GPUs FlashInfer ships these kernels for, the
+    package importable with the entry point the backend calls, NVFP4 activations (W4A4) from bf16 / fp16."""
+
     archs = ((10, 0), (10, 3))
-    family = "scaled_fp4_quant + flashinfer mm_fp4"
+    #: the FlashInfer function the backend calls (named in the refusal when it is not importable)
+    entry_point = ""
+
+    @staticmethod
+    def _module():
+        """The flashinfer module if importable with :attr:`entry_point`, else None (tests put emulators here)."""
+        raise NotImplementedError
 
     @classmethod
     def unsupported_reason(cls, device, capability=None):
         reason = super().unsupported_reason(device, capability)
-        if reason is None and flashinfer_module() is None:
-            reason = "flashinfer (with mm_fp4) is not importable: pip install 'nvfp4-plugin[blackwell]'"
+        if reason is None and cls._module() is None:
+            reason = f"flashinfer (with {cls.entry_point}) is not importable: pip install 'nvfp4-plugin[blackwell]'"
         return reason
 
     @classmethod
@@ -77,8 +85,25 @@ class FlashInferLinear(Backend):
         if spec.act_dtype not in (torch.bfloat16, torch.float16):
             return f"activations must be bf16 or fp16, got {spec.act_dtype}"
         if spec.mode != "w4a4":
-            return ("a weight-only checkpoint (no activation scales): mm_fp4 multiplies NVFP4 activations; use a "
-                    "calibrated checkpoint")
+            return (f"a weight-only checkpoint (no activation scales): {cls.entry_point.rsplit('.', 1)[-1]} "
+                    "multiplies NVFP4 activations; use a calibrated checkpoint")
+        return None
+
+
+class FlashInferLinear(FlashInferBackend):
+    name = "flashinfer_fp4"
+    family = "scaled_fp4_quant + flashinfer mm_fp4"
+    entry_point = "mm_fp4"
+
+    @staticmethod
+    def _module():
+        return flashinfer_module()
+
+    @classmethod
+    def cannot_implement(cls, spec):
+        reason = super().cannot_implement(spec)
+        if reason is not None:
+            return reason
         if spec.k % 32 or spec.n % 8:
             return f"mm_fp4 needs K % 32 == 0 and N % 8 == 0 (16-byte rows), got N={spec.n} K={spec.k}"
         return None

@@ -62,7 +62,7 @@ import torch
 
 from ... import numerics as nx
 from ...weights import Nvfp4Weight
-from ..base import Backend
+from .flashinfer_fp4 import FlashInferBackend
 from .reference import ReferenceMoe
 
 logger = logging.getLogger("nvfp4_plugin")
@@ -123,26 +123,20 @@ def swap_gate_up(t: torch.Tensor, inter: int) -> torch.Tensor:
     return torch.cat((t[:, inter:], t[:, :inter]), dim=1).contiguous()
 
 
-class FlashInferCutlassMoe(Backend):
+class FlashInferCutlassMoe(FlashInferBackend):
     name = "flashinfer_cutlass_moe"
-    archs = ((10, 0), (10, 3))
     family = "flashinfer cutlass_fused_moe"
+    entry_point = "fused_moe.cutlass_fused_moe"
 
-    @classmethod
-    def unsupported_reason(cls, device, capability=None):
-        reason = super().unsupported_reason(device, capability)
-        if reason is None and flashinfer_module() is None:
-            reason = ("flashinfer (with fused_moe.cutlass_fused_moe) is not importable: "
-                      "pip install 'nvfp4-plugin[blackwell]'")
-        return reason
+    @staticmethod
+    def _module():
+        return flashinfer_module()
 
     @classmethod
     def cannot_implement(cls, spec):
-        if spec.act_dtype not in (torch.bfloat16, torch.float16):
-            return f"activations must be bf16 or fp16, got {spec.act_dtype}"
-        if spec.mode != "w4a4":
-            return ("a weight-only checkpoint (no activation scales): cutlass_fused_moe multiplies NVFP4 "
-                    "activations; use a calibrated checkpoint")
+        reason = super().cannot_implement(spec)
+        if reason is not None:
+            return reason
         if spec.hidden % 64 or spec.intermediate % 64:
             # K of each GEMM in whole 64-wide scale tiles and 2I a multiple of 128: the gated shapes vLLM 0.26
             # runs through this kernel (it refuses to pad w13), and 16-byte FP4 rows for TMA.
