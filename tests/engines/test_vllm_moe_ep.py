@@ -207,7 +207,9 @@ def test_all2all_choice_and_unpadded_hidden_size(monkeypatch):
     layer = NS(_expert_routing_tables=lambda: ("tables",))
     seen = []
     monkeypatch.setattr(all2all_utils, "maybe_make_prepare_finalize", lambda *a, **k: seen.append((a, k)) or "pf")
-    cfg = lambda a2a, ag_rs: NS(moe_parallel_config=NS(use_all2all_kernels=a2a, use_ag_rs_all2all_kernels=ag_rs))  # noqa: E731
+    def cfg(a2a, ag_rs):
+        return NS(moe_parallel_config=NS(use_all2all_kernels=a2a, use_ag_rs_all2all_kernels=ag_rs))
+
     assert vllm_moe.all2all_prepare_finalize(cfg(False, False), layer) is None
     assert vllm_moe.all2all_prepare_finalize(cfg(True, True), layer) is None
     moe_config = cfg(True, False)
