@@ -15,10 +15,10 @@ import torch
 from nvfp4_plugin import reference as ref
 from nvfp4_plugin.layers import Nvfp4FusedMoE
 from nvfp4_plugin.layers.backends.hopper import HopperMoe
-from nvfp4_plugin.layers.base import ENV_ACT_MODE
+from nvfp4_plugin.layers.base import ENV_ACT_MODE, ENV_MOE_BACKEND
 from nvfp4_plugin.weights import Nvfp4Weight
 
-from .gemm_cases import report_max_ulps, ulp_error  # noqa: F401  (autouse fixture)
+from .gemm_cases import DEV, graph_replay, report_max_ulps, ulp_error  # noqa: F401  (autouse fixture)
 
 E, H, INTER, MAX_M = 4, 64, 32, 6
 SENTINEL = 7.0
@@ -28,28 +28,37 @@ MASK = [0, MAX_M, 3, 100]
 
 def weights(seed=1, e=E, h=H, inter=INTER):
     g = torch.Generator().manual_seed(seed)
-    w13 = Nvfp4Weight.quantize(torch.randn(e, 2 * inter, h, generator=g))
-    w2 = Nvfp4Weight.quantize(torch.randn(e, h, inter, generator=g) * 0.2)
+    w13 = Nvfp4Weight.quantize(torch.randn(e, 2 * inter, h, generator=g)).to(DEV)
+    w2 = Nvfp4Weight.quantize(torch.randn(e, h, inter, generator=g) * 0.2).to(DEV)
     # different activation scales per expert: a row quantized with another expert's scale shows
-    a13, a2 = torch.tensor([400.0, 300.0, 500.0, 450.0])[:e], torch.tensor([1500.0, 1200.0, 1800.0, 1000.0])[:e]
-    return w13, w2, a13, a2
+    a13 = torch.tensor([400.0, 300.0, 500.0, 450.0, 350.0, 420.0, 380.0, 460.0])[:e]
+    a2 = torch.tensor([1500.0, 1200.0, 1800.0, 1000.0, 1100.0, 1300.0, 1700.0, 1400.0])[:e]
+    return w13, w2, a13.to(DEV), a2.to(DEV)
+
+
+def on_backend(backend, monkeypatch, *args, **kw):
+    """An Nvfp4FusedMoE on ``backend``: chosen by name on a GPU (hopper_triton: sm_90); on the CPU the
+    Hopper backend is prepared by hand and its kernels run in Triton's interpreter."""
+    interpreted = backend == "hopper_triton" and DEV.type == "cpu"
+    monkeypatch.setenv(ENV_MOE_BACKEND, "reference" if interpreted else backend)
+    moe = Nvfp4FusedMoE(*args, **kw)
+    if interpreted:
+        moe.backend = HopperMoe()
+        moe.tensors, moe.meta = moe.backend.prepare(moe.spec, *args[:4])
+    assert moe.backend.name == backend
+    return moe
 
 
 def layer(mode, monkeypatch, backend="reference", seed=1, dtype=torch.bfloat16):
     monkeypatch.setenv(ENV_ACT_MODE, mode)
-    w13, w2, a13, a2 = weights(seed)
-    moe = Nvfp4FusedMoE(w13, w2, a13, a2, act_dtype=dtype)
-    assert moe.backend.name == "reference" and moe.mode == mode
-    if backend == "hopper_triton":
-        # the Hopper backend is selected on sm_90 only: prepared directly here, its kernels interpreted
-        moe.backend = HopperMoe()
-        moe.tensors, moe.meta = moe.backend.prepare(moe.spec, w13, w2, a13, a2)
+    moe = on_backend(backend, monkeypatch, *weights(seed), act_dtype=dtype)
+    assert moe.mode == mode
     return moe
 
 
 def masked_input(seed=3, dtype=torch.bfloat16, max_m=MAX_M):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(E, max_m, H, generator=g).to(dtype), torch.tensor(MASK, dtype=torch.int32)
+    return torch.randn(E, max_m, H, generator=g).to(dtype).to(DEV), torch.tensor(MASK, dtype=torch.int32).to(DEV)
 
 
 def valid_rows(mask, max_m=MAX_M):
@@ -69,8 +78,8 @@ def test_masked_rows_equal_the_standard_forward_per_expert(backend, mode, monkey
     for e, v in enumerate(valid_rows(mask)):
         assert (out[e, v:] == SENTINEL).all(), f"expert {e}: rows past mask[e]={v} were written"
         if v:
-            ids = torch.full((v, 1), e, dtype=torch.int32)
-            y = moe(x[e, :v].contiguous(), torch.ones(v, 1), ids)
+            ids = torch.full((v, 1), e, dtype=torch.int32, device=DEV)
+            y = moe(x[e, :v].contiguous(), torch.ones(v, 1, device=DEV), ids)
             assert torch.equal(out[e, :v], y), f"expert {e} ({backend}, {mode})"
 
 
@@ -79,9 +88,10 @@ def test_reference_masked_matches_the_fp32_reference(mode, monkeypatch):
     """Against reference.nvfp4_fused_moe (fp32 operands) per expert: bf16 rounding of the dequantized
     operands apart, the same math (the layer test's bound)."""
     moe = layer(mode, monkeypatch)
-    w13, w2, a13, a2 = weights()
+    w13, w2, a13, a2 = (t.to("cpu") for t in weights())
     x, mask = masked_input()
-    out = moe.forward_masked(x, mask)
+    out = moe.forward_masked(x, mask).cpu()
+    x = x.cpu()
     kw = dict(mode=mode, a13_global_scale=a13, a2_global_scale=a2) if mode == "w4a4" else {}
     for e, v in enumerate(valid_rows(mask)):
         if not v:
@@ -96,7 +106,7 @@ def test_reference_masked_matches_the_fp32_reference(mode, monkeypatch):
 def dispatch(x, topk_ids, num_experts, max_m):
     """What an expert-parallel dispatch hands the experts: each routed (token, slot) pair's token in the
     next free row of its expert, ``x_m [E, max_m, H]`` and ``mask[E]``; ``where[t, k]`` = that row."""
-    x_m = torch.full((num_experts, max_m, x.shape[1]), float("nan"), dtype=x.dtype)   # garbage past the mask
+    x_m = torch.full((num_experts, max_m, x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)  # garbage
     mask = torch.zeros(num_experts, dtype=torch.int32)
     where = torch.zeros_like(topk_ids, dtype=torch.int64)
     for t in range(topk_ids.shape[0]):
@@ -105,12 +115,12 @@ def dispatch(x, topk_ids, num_experts, max_m):
             where[t, k] = int(mask[e])
             x_m[e, where[t, k]] = x[t]
             mask[e] += 1
-    return x_m, mask, where
+    return x_m, mask.to(x.device), where.to(x.device)
 
 
 def combine(y_m, topk_weights, topk_ids, where):
     """The engine's combine: ``sum_k w[t, k] * y`` in fp32, rounded once."""
-    acc = torch.zeros(topk_ids.shape[0], y_m.shape[2], dtype=torch.float32)
+    acc = torch.zeros(topk_ids.shape[0], y_m.shape[2], dtype=torch.float32, device=y_m.device)
     for k in range(topk_ids.shape[1]):
         acc = acc + y_m[topk_ids[:, k].long(), where[:, k]].float() * topk_weights[:, k, None].float()
     return acc.to(y_m.dtype)
@@ -131,20 +141,18 @@ def test_dispatch_masked_combine_equals_the_standard_forward(backend, mode, monk
     x = act((tokens, h), torch.bfloat16, seed=83)
     logits = torch.randn(tokens, num_e, generator=torch.Generator().manual_seed(84))
     logits[:, 3] = -9                                   # one expert never routed: mask 0
-    tw, ti = ref.route_topk(logits, top_k)
-    a13, a2 = torch.tensor([30.0, 40.0, 50.0, 60.0]), torch.tensor([300.0, 400.0, 500.0, 600.0])
-    moe = Nvfp4FusedMoE(w13, w2, a13, a2)
-    if backend == "hopper_triton":
-        moe.backend = HopperMoe()
-        moe.tensors, moe.meta = moe.backend.prepare(moe.spec, w13, w2, a13, a2)
-    x_m, mask, where = dispatch(x, ti, num_e, max_m=tokens + 1)
+    tw, ti = (t.to(DEV) for t in ref.route_topk(logits, top_k))
+    a13, a2 = torch.tensor([30.0, 40.0, 50.0, 60.0], device=DEV), torch.tensor([300.0, 400.0, 500.0, 600.0], device=DEV)
+    moe = on_backend(backend, monkeypatch, w13, w2, a13, a2)
+    x_m, mask, where = dispatch(x, ti.cpu(), num_e, max_m=tokens + 1)
     y = combine(moe.forward_masked(x_m, mask), tw, ti, where)
     assert torch.equal(y, moe(x, tw, ti))
     if backend == "hopper_triton":
-        kw = dict(mode=mode, a13_global_scale=a13, a2_global_scale=a2) if mode == "w4a4" else {}
-        y_ref = ref.nvfp4_fused_moe(x, w13.packed, w13.block_scale, w13.global_scale, w2.packed, w2.block_scale,
-                                    w2.global_scale, tw, ti, **kw)
-        assert ulp_error(y, y_ref.double(), torch.bfloat16, f"masked_hopper_{mode}") <= 4
+        kw = dict(mode=mode, a13_global_scale=a13.cpu(), a2_global_scale=a2.cpu()) if mode == "w4a4" else {}
+        y_ref = ref.nvfp4_fused_moe(x.cpu(), w13.packed.cpu(), w13.block_scale.cpu(), w13.global_scale.cpu(),
+                                    w2.packed.cpu(), w2.block_scale.cpu(), w2.global_scale.cpu(), tw.cpu(), ti.cpu(),
+                                    **kw)
+        assert ulp_error(y.cpu(), y_ref.double(), torch.bfloat16, f"masked_hopper_{mode}") <= 4
 
 
 @pytest.mark.parametrize("backend", ["reference", "hopper_triton"])
@@ -157,14 +165,14 @@ def test_ids_outside_the_local_experts_contribute_nothing(backend, mode, monkeyp
     moe = layer(mode, monkeypatch, backend)
     g = torch.Generator().manual_seed(5)
     t, top_k = 7, 3
-    x = torch.randn(t, H, generator=g).to(torch.bfloat16)
-    tw, ti = ref.route_topk(torch.randn(t, E, generator=g), top_k)
+    x = torch.randn(t, H, generator=g).to(torch.bfloat16).to(DEV)
+    tw, ti = (v.to(DEV) for v in ref.route_topk(torch.randn(t, E, generator=g), top_k))
     ti = ti.to(torch.int32)
     drop = torch.zeros_like(ti, dtype=torch.bool)
     drop[::2, 1] = True
     drop[3, :] = True                      # a token with no local expert at all
     drop[5, 0] = True
-    skipped = torch.where(drop, torch.where(torch.arange(t)[:, None] % 2 == 0, -1, E), ti)   # -1 and E
+    skipped = torch.where(drop, torch.where(torch.arange(t, device=DEV)[:, None] % 2 == 0, -1, E), ti)  # -1 and E
     zeroed = torch.where(drop, torch.zeros_like(tw), tw)
     y = moe(x, tw, skipped)
     assert torch.equal(y, moe(x, zeroed, ti))
@@ -179,14 +187,14 @@ def test_ids_outside_the_local_experts_contribute_nothing(backend, mode, monkeyp
 def test_masked_edge_cases(backend, monkeypatch):
     moe = layer("w4a16", monkeypatch, backend)
     x, _ = masked_input()
-    none = torch.zeros(E, dtype=torch.int32)
+    none = torch.zeros(E, dtype=torch.int32, device=DEV)
     out = torch.full_like(x, SENTINEL)
     moe.forward_masked(x, none, out=out)
     assert (out == SENTINEL).all()                      # mask 0 everywhere: nothing written
     empty = moe.forward_masked(x[:, :0], none)            # max_m = 0
     assert empty.shape == (E, 0, H)
-    full = moe.forward_masked(x, torch.full((E,), MAX_M, dtype=torch.int32))
-    assert torch.equal(full, moe.forward_masked(x, torch.full((E,), 1 << 30, dtype=torch.int32)))
+    full = moe.forward_masked(x, torch.full((E,), MAX_M, dtype=torch.int32, device=DEV))
+    assert torch.equal(full, moe.forward_masked(x, torch.full((E,), 1 << 30, dtype=torch.int32, device=DEV)))
 
 
 def test_masked_argument_errors(monkeypatch):
@@ -196,10 +204,10 @@ def test_masked_argument_errors(monkeypatch):
         moe.forward_masked(x[:3], mask)
     with pytest.raises(TypeError, match="x: expected dtype torch.bfloat16"):
         moe.forward_masked(x.half(), mask)
-    with pytest.raises(ValueError, match=r"mask: expected int32 \[4\] on cpu, got torch.int64 \[4\]"):
+    with pytest.raises(ValueError, match=r"mask: expected int32 \[4\] on .*, got torch.int64 \[4\]"):
         moe.forward_masked(x, mask.long())
     with pytest.raises(ValueError, match=r"out: expected torch.bfloat16 \[4, 6, 64\]"):
-        moe.forward_masked(x, mask, out=torch.empty(4, 5, 64, dtype=torch.bfloat16))
+        moe.forward_masked(x, mask, out=torch.empty(4, 5, 64, dtype=torch.bfloat16, device=DEV))
 
     class NoMasked:                                     # a backend without apply_masked (flashinfer_cutlass_moe)
         name = "flashinfer_cutlass_moe"
@@ -231,3 +239,36 @@ def test_masked_op_traces_and_logs_once(monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if "masked layout" in r.getMessage()]
     assert lines == ["nvfp4_plugin: fused MoE E=4 H=64 I=32 (w4a16): masked layout x[E, max_m=6, H] + mask[E] "
                      "(expert-parallel dispatch) on backend reference"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("max_m", [16, 128, 512])
+def test_gpu_hopper_masked_shapes_and_cuda_graph(mode, max_m, monkeypatch):
+    """Hopper's masked path at DeepEP-like sizes (its Gluon kernels from 128 rows per expert on, the
+    masked configs of gemm/select.py): within 4 ulps of the fp32 reference per expert, rows past the
+    mask untouched, and a CUDA graph replay equal to the eager forward."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("hopper_triton runs on sm_90")
+    num_e, h, inter = 8, 1024, 512
+    monkeypatch.setenv(ENV_ACT_MODE, mode)
+    w13, w2, a13, a2 = weights(seed=max_m, e=num_e, h=h, inter=inter)
+    moe = on_backend("hopper_triton", monkeypatch, w13, w2, a13, a2)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(num_e, max_m, h, generator=g).to(torch.bfloat16).to(DEV)
+    mask = torch.tensor([0, max_m, 1, max_m // 2, 3, max_m, 7, 2 * max_m], dtype=torch.int32, device=DEV)
+    out = torch.full_like(x, SENTINEL)
+    moe.forward_masked(x, mask, out=out)
+    kw = dict(mode=mode, a13_global_scale=a13.cpu(), a2_global_scale=a2.cpu()) if mode == "w4a4" else {}
+    for e in range(num_e):
+        v = min(int(mask[e]), max_m)
+        assert (out[e, v:] == SENTINEL).all()
+        if v:
+            ids = torch.full((v, 1), e, dtype=torch.int32)
+            expect = ref.nvfp4_fused_moe(x[e, :v].cpu(), w13.packed.cpu(), w13.block_scale.cpu(),
+                                         w13.global_scale.cpu(), w2.packed.cpu(), w2.block_scale.cpu(),
+                                         w2.global_scale.cpu(), torch.ones(v, 1), ids, **kw)
+            assert ulp_error(out[e, :v].cpu(), expect.double(), torch.bfloat16, f"gpu_masked_{mode}") <= 4
+    graph_out = torch.full_like(x, SENTINEL)
+    replayed = graph_replay(lambda: moe.forward_masked(x, mask, out=graph_out))
+    assert torch.equal(replayed, out)
