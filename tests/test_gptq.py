@@ -128,7 +128,8 @@ def test_dead_columns_keep_their_weight_and_take_no_updates():
     # nothing seen at all: no update anywhere, so exactly the unweighted mse quantizer
     none = G.gptq_quantize(w, gs, G.factor_hessian(torch.zeros(K, K)))
     packed, scales = ss.quantize_mse(w, gs)
-    assert torch.equal(none.packed, packed) and torch.equal(none.block_scale.view(torch.uint8), scales.view(torch.uint8))
+    assert torch.equal(none.packed, packed)
+    assert torch.equal(none.block_scale.view(torch.uint8), scales.view(torch.uint8))
 
 
 def test_settings_are_checked():

@@ -323,8 +323,9 @@ class _MseQuantizer:
 class _GptqQuantizer:
     """``--method gptq``: one Hessian factorisation per distinct module input (fused shards share it,
     also when ``--per-shard-global-scales`` quantizes them one by one), each Hessian released once
-    factorised and each factor after the last module reading that input. A module whose input calibration never saw (an expert no token reached)
-    gets the unweighted ``mse`` search instead, counted in ``fallbacks``."""
+    factorised and each factor after the last module reading that input. A module whose input
+    calibration never saw (an expert no token reached) gets the unweighted ``mse`` search instead,
+    counted in ``fallbacks``."""
 
     def __init__(self, hessians: dict[str, torch.Tensor], modules, settings):
         self.hessians = hessians
