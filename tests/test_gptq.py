@@ -217,6 +217,27 @@ def test_calibration_collects_one_hessian_per_distinct_input(tiny):
         torch.testing.assert_close(h.diagonal(), moments[m], rtol=1e-4, atol=1e-6)   # the same tokens
 
 
+def test_calibration_hessians_of_routed_experts(tmp_path):
+    from nvfp4_plugin.checkpoints.calibrate import calibrate_input_amax
+    from nvfp4_plugin.checkpoints.safetensors_io import CheckpointFiles
+
+    make_model(tmp_path / "moe", "qwen3_moe", "tiny", device="cpu")
+    files = CheckpointFiles(tmp_path / "moe")
+    try:
+        mods = [n[:-len(".weight")] for n in files.tensors if ".experts." in n and n.endswith(".weight")]
+        hessians = {}
+        amax = calibrate_input_amax(tmp_path / "moe", files, mods, device="cpu", samples=2, seq_len=32,
+                                    hessians=hessians)
+    finally:
+        files.close()
+    routed = [m for m in mods if m in amax]                      # experts that received tokens
+    assert routed and set(hessians) == {naming.shared_input_key(m) for m in routed}
+    for m in routed:
+        h = hessians[naming.shared_input_key(m)]
+        k = files.info(m + ".weight").shape[1]
+        assert h.shape == (k, k) and bool(torch.isfinite(h).all()) and float(h.diagonal().min()) >= 0
+
+
 def test_no_calibration_refuses_gptq(tiny, capsys):
     with pytest.raises(CheckpointError, match="--method gptq needs calibration.*--no-calibration allows --method "
                                               "rtn or mse only"):
