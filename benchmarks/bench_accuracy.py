@@ -2,7 +2,7 @@
 """Quantizer accuracy: perplexity of real models, bf16 against NVFP4 by method, on a held-out text.
 
     python -m benchmarks.bench_accuracy --model smollm2=/tmp/real/smollm2 --model gemma3=/tmp/real/gemma3 \\
-        --out /tmp/acc [--text benchmarks/data/heldout_en.txt] [--device cpu]
+        --out /tmp/acc [--text nvfp4_plugin/data/heldout_en.txt] [--device cpu]
 
 Models come from ``../shared/tools/real-lm/fetch NAME DIR`` (trained models as bf16 folders). For each
 model it quantizes with every variant below (``nvfp4-plugin quantize``) and evaluates all of them and the
@@ -35,6 +35,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from nvfp4_plugin.demo import HELDOUT_TEXT  # the package's held-out text, shared with the demo
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
@@ -125,7 +127,7 @@ def layer_errors(name: str, src: str, layers: list[int], text: str) -> list[str]
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", action="append", required=True, metavar="NAME=DIR")
-    ap.add_argument("--text", default=str(ROOT / "benchmarks" / "data" / "heldout_en.txt"))
+    ap.add_argument("--text", default=str(HELDOUT_TEXT))
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cpu", help="quantization and evaluation device")
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
