@@ -63,7 +63,19 @@ JITFunction.run = _compile_only
 from nvfp4_plugin.triton import _runtime as rt
 rt.check_device = lambda name, t: None
 rt.hw_fp8 = lambda device: True
-from nvfp4_plugin.triton import mx, nvfp4, staging
+from nvfp4_plugin.triton import mx, nvfp4, scale_search, staging
+from nvfp4_plugin.gemm import moe_glue
+
+
+def on_gpu_path(call):  # moe_glue takes its torch fallback for CPU tensors; this takes the kernel path
+    def run():
+        interpreting, rt.interpreting = rt.interpreting, lambda: True
+        try:
+            return call()
+        finally:
+            rt.interpreting = interpreting
+    return run
+
 
 x = torch.zeros(64, 512, dtype=torch.bfloat16)
 gs = torch.ones(1)
@@ -71,6 +83,7 @@ cases = [
     ("scaled_fp4_quant", lambda: nvfp4.scaled_fp4_quant(x, gs)),
     ("scaled_fp4_quant_ue8m0", lambda: nvfp4.scaled_fp4_quant(x, gs, swizzle=False, scale_format="ue8m0")),
     ("nvfp4_forward", lambda: nvfp4.nvfp4_forward(x, gs)),
+    ("nvfp4_forward_dynamic_gs", lambda: nvfp4.nvfp4_forward(x)),   # + the finite-amax pass
     ("nvfp4_forward_sr", lambda: nvfp4.nvfp4_forward(x.float(), gs, True, seed=1)),
     ("mxfp4_quantize_sr", lambda: mx.mxfp4_quantize(x, stochastic_rounding=True, seed=1)),
     ("mxfp4_forward_rceil", lambda: mx.mxfp4_forward(x.half(), scale_recipe="rceil")),
@@ -79,18 +92,28 @@ cases = [
     ("staging", lambda: staging.stage_deepseek_v4_mega_moe_inputs(
         x, torch.zeros(64, 8), torch.zeros(64, 8, dtype=torch.int32), torch.empty(64, 256, dtype=torch.uint8),
         torch.empty(64, 8, dtype=torch.int32), torch.empty(64, 8, dtype=torch.int64), torch.empty(64, 8))),
+    ("scale_search", lambda: scale_search.search_block_scales(x.float(), gs)),
+    ("scale_search_weighted", lambda: scale_search.search_block_scales(x.float(), gs, col_weight=torch.ones(512))),
+    ("moe_routing", on_gpu_path(lambda: moe_glue.moe_routing(torch.zeros(64, 8, dtype=torch.int32), 128))),
+    ("moe_silu_and_mul", on_gpu_path(lambda: moe_glue.silu_and_mul(x))),
+    ("moe_combine", on_gpu_path(lambda: moe_glue.moe_combine(torch.zeros(64 * 8, 512, dtype=torch.bfloat16),
+                                                             torch.zeros(64, 8), torch.zeros(64, 8, dtype=torch.int32),
+                                                             128))),
 ]
 report = {}
 inline = re.compile(r"// begin inline asm(?:(?!// end inline asm).)*?mul\.sat\.f32.*?// end inline asm", re.S)
 for name, call in cases:
     compiled.clear()
     call()
+    assert compiled, f"{name}: no kernel was compiled"
     fn, kernel = compiled[-1]
     ptx = kernel.asm["ptx"]
     asm = "".join(inline.findall(ptx))
     ptx = inline.sub("", ptx)  # the compiler's own code; the hand-written E2M1 encoder is checked apart
     report[name] = {
         "kernel": fn,
+        "kernels": [f for f, _ in compiled],
+        "all_cubins": all(len(k.asm["cubin"]) > 0 for _, k in compiled),
         "ftz": ptx.count(".ftz"),
         "approx": ptx.count(".approx"),
         "fma": ptx.count("fma.rn"),
@@ -118,7 +141,11 @@ def test_gpu_code_paths_compile_for_sm90_and_keep_ieee_semantics():
     for name, r in report.items():
         assert r["ftz"] == 0 and r["approx"] == 0, (name, r)  # no flush-to-zero, no approximate math
         assert r["fma"] == 0, (name, r)                        # fp fusion off: every op rounds on its own
-        assert r["cubin_bytes"] > 0, name
+        assert r["cubin_bytes"] > 0 and r["all_cubins"], name
+    assert report["nvfp4_forward_dynamic_gs"]["kernels"] == ["_finite_amax_kernel", "_nvfp4_kernel"]
+    for name, kernel in (("moe_routing", "_route_kernel"), ("moe_silu_and_mul", "_silu_mul_kernel"),
+                         ("moe_combine", "_combine_kernel"), ("scale_search", "_mse_scale_kernel")):
+        assert report[name]["kernels"] == [kernel], (name, report[name]["kernels"])
     for name in ("scaled_fp4_quant", "nvfp4_forward", "staging"):
         assert report[name]["div_rn"] > 0, name                # IEEE 1 / s and s / gs
         assert report[name]["cvt_e4m3"] > 0, name              # hardware E4M3 rounding of the scales

@@ -59,12 +59,9 @@ def _mse_scale_kernel(x_ptr, w_ptr, out_ptr, gs_ptr, n_blocks, nb_row, HAS_W: tl
     best_err = tl.full([BLOCKS], float("inf"), tl.float64)
     best = byte0.to(tl.int32)
     for t in tl.static_range(2 * WINDOW + 1):
-        if t == 0:
-            d: tl.constexpr = 0
-        elif t % 2 == 1:
-            d: tl.constexpr = -((t + 1) // 2)
-        else:
-            d: tl.constexpr = t // 2
+        # candidate offsets 0, -1, +1, -2, +2, ...: one plain expression of the unrolled t (Triton's code generator
+        # rejects a tl.constexpr assigned twice, which the unrolled loop does; the interpreter does not)
+        d = ((t + 1) // 2) * (1 - 2 * (t % 2))
         idx = tl.minimum(tl.maximum(idx0 + d, 0), 125)
         byte = idx + 1
         s = _e4m3_value(byte.to(tl.uint32))
