@@ -45,12 +45,13 @@ def cuda_ops():
 
 def activations(m: int, k: int, dtype, seed: int, device="cuda", specials: bool = True) -> torch.Tensor:
     """Random activations with outlier rows and (optionally) NaN, +-inf, signed zeros, huge and tiny values."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(m, k, generator=g) * torch.exp(torch.randn(m, 1, generator=g) * 2)
+    # drawn on the target device: the 16 x L2 cases hold ~10^9 values, whose CPU randperm took minutes
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device=device) * torch.exp(torch.randn(m, 1, generator=g, device=device) * 2)
     if specials and x.numel():
         flat = x.view(-1)
         n = flat.numel()
-        idx = torch.randperm(n, generator=g)
+        idx = torch.randperm(n, generator=g, device=device)
         cuts = [n // 97, n // 89, n // 83, n // 61, n // 59, n // 53, n // 47]
         flat[idx[:cuts[0]]] = math.nan
         flat[idx[cuts[0]:cuts[1]]] = math.inf

@@ -8,7 +8,9 @@
 #   sanitize-triton  the Triton part alone; sanitize-cuda the compiled-ops part alone
 #   bench-quant@VAR=VALUE[+VAR=VALUE][@op,op]  bench-quant with env vars set (and these --ops, which come after
 #             $BENCH_QUANT_ARGS'), e.g. bench-quant@NVFP4_PLUGIN_QUANT_TILING=rows@nvfp4_masked_silu
-#   bench-quant / bench-triton / bench-gemm / bench-quantize   the benchmark scripts
+#   bench-quant / bench-triton / bench-gemm / bench-quantize   the benchmark scripts ($BENCH_QUANTIZE_ARGS, e.g.
+#             --methods mse gptq)
+#   info      `nvfp4-plugin info`: the layer plan this GPU gets
 #   tune-gemm tune_gemm.py into a copy of the package configs under $R/configs, used by the later steps
 #             ($TUNE_KINDS, default dense,grouped,masked; $TUNE_BUDGET_S, default 420; $TUNE_ARGS more
 #             tune_gemm.py options, e.g. --max-m 16)
@@ -42,7 +44,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$R/gpu.tx
 for s in "$@"; do
   case "$s" in
     build) PYTHONPATH="$PWD" step build python3 setup.py build_ext --inplace ;;  # box packages only
-    tests) NVFP4_PLUGIN_REQUIRE_EXT=1 step tests python3 -m pytest -q -rs -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} ;;
+    tests) NVFP4_PLUGIN_REQUIRE_EXT=1 step tests python3 -m pytest -q -rs --durations=25 -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} ;;
     tests@*=*)  # tests@VAR=VALUE[+VAR=VALUE]: the tests step with env vars set (e.g. a forced kernel variant)
       kv="${s#tests@}"
       NVFP4_PLUGIN_REQUIRE_EXT=1 step "tests-${kv//[^A-Za-z0-9=]/_}" env ${kv//+/ } python3 -m pytest -q -rs -m gpu \
@@ -56,6 +58,7 @@ for s in "$@"; do
       case "$kv" in *@*) ops="--ops ${kv#*@}"; ops="${ops//,/ }"; kv="${kv%%@*}" ;; esac
       tag="${kv//[^A-Za-z0-9=]/_}"
       step "bq-$tag" env ${kv//+/ } python3 benchmarks/bench_quant.py --out "$R/$tag" ${BENCH_QUANT_ARGS:-} $ops ;;
+    info) step info python3 -m nvfp4_plugin.cli info ;;
     diag-gemm) step diag-gemm python3 tools/diag_gemm_tiles.py ;;
     bench-quant) step bench-quant python3 benchmarks/bench_quant.py --out "$R" ${BENCH_QUANT_ARGS:-} ;;
     bench-triton) step bench-triton python3 benchmarks/bench_triton_quant.py --out "$R/triton_quant_h200.md" ;;
@@ -66,7 +69,7 @@ for s in "$@"; do
       step tune-gemm python3 benchmarks/tune_gemm.py --out "$R" --budget-s "${TUNE_BUDGET_S:-420}" \
         --kinds "${TUNE_KINDS:-dense,grouped,masked}" ${TUNE_ARGS:-} ;;
     ncu) step ncu python3 tools/ncu_profile.py --out "$R/ncu" ${NCU_CASES:+--cases $NCU_CASES} ;;
-    bench-quantize) step bench-quantize python3 benchmarks/bench_quantize.py --out "$R/quantize_h200.md" --weight-only-too ;;
+    bench-quantize) step bench-quantize python3 benchmarks/bench_quantize.py --out "$R/quantize_h200.md" --weight-only-too ${BENCH_QUANTIZE_ARGS:-} ;;
     *) echo "unknown step $s"; status=2 ;;
   esac
 done
