@@ -9,8 +9,10 @@ file pages. Targets (issue 6): quantize < 3 minutes on the H200, peak RSS < 2x t
     python -m benchmarks.bench_quantize --out /tmp/quantize.md   (then fold its table into benchmarks/results/)
 
 Options: ``--arch`` (llama | qwen2 | qwen3 | qwen3_moe | mixtral), ``--size``, ``--device``,
-``--weight-only-too`` (also time ``--no-calibration``), ``--workdir`` (default: the system temp
-dir; needs ~16 GB + ~6 GB per output), ``--keep`` (keep the folders).
+``--weight-only-too`` (also time ``--no-calibration``), ``--methods mse gptq`` (also time each
+method, calibrated, written as W4A16: ``--method M --weights-only``; reported, not held to the
+targets), ``--workdir`` (default: the system temp dir; needs ~16 GB + ~6 GB per output), ``--keep``
+(keep the folders).
 """
 
 from __future__ import annotations
@@ -98,6 +100,8 @@ def main() -> int:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--weight-only-too", action="store_true")
+    ap.add_argument("--methods", nargs="*", default=[], choices=("rtn", "mse", "gptq"),
+                    help="also time `quantize --method M --weights-only` for each (reported, no target)")
     ap.add_argument("--out", default=None, help="write the markdown report here too")
     args = ap.parse_args()
 
@@ -109,6 +113,7 @@ def main() -> int:
     src, dst, dst_wo = work / "src", work / "nvfp4", work / "nvfp4-w4a16"
     cli = [sys.executable, "-m", "nvfp4_plugin.cli"]
     rows = []
+    reported_only = set()   # rows timed for the record, not held to the targets
     ok = True
     try:
         mk = run_measured(cli + ["make-model", str(src), "--arch", args.arch, "--size", args.size,
@@ -129,6 +134,12 @@ def main() -> int:
             qw = run_measured(cli + ["quantize", str(src), str(dst_wo), "--device", args.device, "--quiet",
                                      "--no-calibration"], env)
             rows.append(("quantize --no-calibration (W4A16)", qw, largest))
+        for method in args.methods:
+            qm = run_measured(cli + ["quantize", str(src), str(work / f"nvfp4-{method}"), "--device", args.device,
+                                     "--quiet", "--method", method, "--weights-only"], env)
+            rows.append((f"quantize --method {method} --weights-only (calibrated W4A16)", qm, largest))
+            reported_only.add(rows[-1][0])
+            shutil.rmtree(work / f"nvfp4-{method}", ignore_errors=True)
         out_bytes = sum(p.stat().st_size for p in dst.glob("*.safetensors")) if dst.exists() else 0
     finally:
         if not args.keep:
@@ -156,8 +167,12 @@ def main() -> int:
     if phases:
         lines.append(f"quantize phases (from its summary): calibration {phases[1]} s, quantization + write "
                      f"{phases[2]} s; the rest is process start-up, imports and CUDA initialization.")
+    for name, r, _ in rows:
+        m = re.search(r"calibration ([\d.]+)s, quantization ([\d.]+)s", r["output"]) if name in reported_only else None
+        if m:
+            lines.append(f"- {name}: calibration {m[1]} s, quantization + write {m[2]} s")
     for name, r, shard in rows:
-        if shard:
+        if shard and name not in reported_only:
             t_ok = r["rc"] == 0 and r["wall_s"] < QUANT_TIME_TARGET_S
             m_ok = r["peak_rss"] < RSS_TARGET_SHARDS * shard
             ok &= t_ok and m_ok
