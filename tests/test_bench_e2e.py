@@ -29,7 +29,8 @@ def test_checks_pass_and_miss():
     assert lines[1].endswith("MISS") and "best built-in 2300" in lines[1]
     assert lines[2] == "prefill: ours 39000 vs bf16 40000 (0.97x, floor 0.95x): PASS"
     assert lines[3].endswith("PASS")
-    assert lines[4] == "first run of each shape within 5% of the second: MISS at batch 8"
+    assert lines[4] == ("first run of each shape within 5% of the second: MISS at batch 8 "
+                        "(first / measured: bf16 1.00, humming 1.00, marlin 1.00, ours 0.50)")
     assert lines[5] == "start method: fork"
     # MoE prefill floor is bf16 itself; a drop of more than 5% to the next batch is flagged
     rs = [_result("bf16", {1: 400, 2: 800}, 230000, model="moe"),
@@ -37,6 +38,12 @@ def test_checks_pass_and_miss():
     lines = E.checks(rs, "vllm", "moe")
     assert "floor 1.0x): MISS" in lines[2] and lines[3].endswith("MISS at 1->2")
     assert E.checks([], "vllm", "moe") == ["ours: no result (not run)"]
+    # a built-in that never served (SGLang's Marlin JIT inside the start-up timeout) is named, not counted as 0
+    rs = [_result("bf16", {1: 200}, 40000, engine="sglang"), _result("ours", {1: 300}, 39000, engine="sglang"),
+          {"engine": "sglang", "model": "dense", "config": "builtin", "error": "timed out after 420.0 s"}]
+    lines = E.checks(rs, "sglang", "dense")
+    assert lines[0] == "decode batch 1: ours 300 vs no built-in result, bf16 200 (1.50x): PASS"
+    assert lines[1] == "built-in builtin: no result (timed out after 420.0 s)"
 
 
 def test_best_builtin_and_report(tmp_path):
