@@ -105,7 +105,8 @@ def prebuild_sglang_jit() -> list[str]:
 
     SGLang compiles them with nvcc on first use, which for the built-in NVFP4 path on Hopper is inside the
     engine's CUDA-graph capture at start-up: on the H200 (2026-11-27) the built-in dense configuration was
-    still compiling at the first captured size after 420 s. Built here once, each engine start finds them.
+    still compiling at the first captured size after 420 s (the MoE module alone took 376 s of nvcc, the
+    repack module 27 s). Built here once, each engine start finds them.
     Returns one line per module (built or cached, seconds, or the error)."""
     import importlib
     from concurrent.futures import ThreadPoolExecutor
@@ -115,14 +116,24 @@ def prebuild_sglang_jit() -> list[str]:
     os.environ.setdefault("TVM_FFI_CACHE_DIR", SGLANG_JIT_CACHE)
     os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
 
+    # imported here, one after the other: importing them from the build threads deadlocked on the package
+    # import locks (H200, 2026-11-27); the builds themselves (nvcc, minutes each) then run in parallel
+    builders = {}
+    for mod, fn, _ in SGLANG_MARLIN_JIT:
+        try:
+            builders[mod, fn] = getattr(importlib.import_module(mod), fn)
+        except Exception as exc:  # noqa: BLE001 - a later SGLang may have moved them; the engine then builds its own
+            builders[mod, fn] = exc
+
     def build(spec) -> str:
         mod, fn, args = spec
         t = time.perf_counter()
         try:
-            builder = getattr(importlib.import_module(mod), fn)
-            builder(*(getattr(torch, x) if isinstance(x, str) else x for x in args))
+            if isinstance(builders[mod, fn], Exception):
+                raise builders[mod, fn]
+            builders[mod, fn](*(getattr(torch, x) if isinstance(x, str) else x for x in args))
             return f"{mod}.{fn}{args}: ready after {time.perf_counter() - t:.0f} s"
-        except Exception as exc:  # noqa: BLE001 - a later SGLang may have moved them; the engine then builds its own
+        except Exception as exc:  # noqa: BLE001
             return f"{mod}.{fn}{args}: not built ({type(exc).__name__}: {exc})"
 
     with ThreadPoolExecutor(len(SGLANG_MARLIN_JIT)) as pool:

@@ -115,3 +115,25 @@ def test_run_sweep_reports_the_median_after_a_warmup():
     assert d["first_tok_s"] == 128.0 and d["runs_tok_s"] == [256.0, 64.0, 128.0] and d["tok_s"] == 128.0
     assert d["ms_per_step"] == pytest.approx(1e3 / 128.0, abs=1e-3)
     assert res["prefill"]["first_tok_s"] == pytest.approx(16 / 9.0, abs=0.1) and res["prefill"]["tok_s"] == 16.0
+
+
+def test_prebuild_sglang_jit_imports_first_then_builds_each(tmp_path, monkeypatch):
+    """Each builder is imported on the calling thread (imports from the build threads deadlocked on the H200),
+    called with its dtype resolved, and a module that is missing is reported, not raised."""
+    import sys
+    import threading
+
+    pkg = tmp_path / "fakejit"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mods.py").write_text("import threading\nIMPORTED_ON = threading.current_thread().name\nCALLS = []\n"
+                                 "def build(*args):\n    CALLS.append(args)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(E, "SGLANG_MARLIN_JIT", (("fakejit.mods", "build", ("bfloat16", False)),
+                                                 ("fakejit.missing", "build", ())))
+    lines = E.prebuild_sglang_jit()
+    import torch
+    mods = sys.modules["fakejit.mods"]
+    assert mods.IMPORTED_ON == threading.current_thread().name
+    assert mods.CALLS == [(torch.bfloat16, False)]
+    assert "ready after" in lines[0] and lines[1].startswith("fakejit.missing.build(): not built (ModuleNotFoundError")
