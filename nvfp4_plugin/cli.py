@@ -168,6 +168,7 @@ def quantize(args) -> int:
                            per_shard_global_scales=args.per_shard_global_scales, method=args.method,
                            weights_only=args.weights_only, gptq_damping=args.gptq_damping,
                            gptq_block_size=args.gptq_block_size, gptq_act_order=args.gptq_act_order,
+                           gptq_hessian_memory_gb=args.gptq_hessian_memory,
                            max_shard_size=args.max_shard_size,
                            overwrite=args.overwrite, progress=not args.quiet)
     rc, report = _write_folder("quantize", args.dst, lambda: quantize_checkpoint(args.src, args.dst, opts),
@@ -365,6 +366,10 @@ def main(argv=None) -> int:
     p.add_argument("--gptq-act-order", action="store_true",
                    help="gptq: visit columns by decreasing diag(H), block scales fixed up front from the original "
                         "weights (default: left to right, scales searched on the updated weights)")
+    p.add_argument("--gptq-hessian-memory", type=float, default=None, metavar="GB",
+                   help="gptq: memory for the Hessians waiting to be used (on the calibration device); beyond it "
+                        "they are collected in several calibration passes, a few layers each (default: a quarter "
+                        "of the GPU's memory, or of the host's on a CPU)")
     p.add_argument("--max-shard-size", default="5GB", help="output shard size (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists (atomically, at the end)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or info logs")

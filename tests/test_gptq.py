@@ -250,3 +250,58 @@ def test_no_calibration_refuses_gptq(tiny, capsys):
                    "--quiet"])
     assert rc == 2 and "--gptq-block-size): expected a positive multiple of 16, got 100" in capsys.readouterr().err
     assert not (tiny / "never").exists()
+
+
+def _tensors(folder):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_hessians_in_several_passes_give_the_same_checkpoint(tmp_path, monkeypatch, arch):
+    """--gptq-hessian-memory below one input's Hessian: one calibration pass per distinct input, in the order
+    the layers are quantized, each Hessian summed exactly as in the single pass, so the files are identical
+    (MoE: experts no calibration token reached fall back to mse the same way)."""
+    from nvfp4_plugin.checkpoints import calibrate as C
+
+    make_model(tmp_path / "bf16", arch, "tiny", device="cpu")
+    passes, closed = [], []
+    real_collect, real_close = C.Calibrator.collect, C.Calibrator.close
+
+    def collect(self, **kw):
+        passes.append(kw.get("hessian_keys"))
+        return real_collect(self, **kw)
+
+    def close(self):
+        closed.append(self.model is not None)
+        return real_close(self)
+
+    monkeypatch.setattr(C.Calibrator, "collect", collect)
+    monkeypatch.setattr(C.Calibrator, "close", close)
+    one = quantize_checkpoint(tmp_path / "bf16", tmp_path / "one", method="gptq", **CALIB)
+    assert passes == [None] and closed[0]
+    passes.clear()
+    many = quantize_checkpoint(tmp_path / "bf16", tmp_path / "many", method="gptq", gptq_hessian_memory_gb=1e-9,
+                               **CALIB)
+    with open_checkpoint(tmp_path / "many") as ck:
+        inputs = {naming.shared_input_key(m) for m in ck.modules}
+    assert len(passes) == len(inputs) and all(len(p) == 1 for p in passes)
+    assert set().union(*passes) == inputs
+    assert closed.count(True) == 2                     # the model freed once per run, after its last pass
+    a, b = _tensors(tmp_path / "one"), _tensors(tmp_path / "many")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name].view(torch.uint8) if a[name].dtype == torch.float8_e4m3fn else a[name],
+                           b[name].view(torch.uint8) if b[name].dtype == torch.float8_e4m3fn else b[name]), name
+    assert one.quant_algo == many.quant_algo == "NVFP4"
+
+
+def test_gptq_hessian_memory_must_be_positive(tiny, capsys):
+    rc = cli.main(["quantize", str(tiny / "bf16"), str(tiny / "never"), "--method", "gptq", "--gptq-hessian-memory",
+                   "0", "--quiet"])
+    assert rc == 2 and "--gptq-hessian-memory: expected a positive number of GB, got 0" in capsys.readouterr().err
+    assert not (tiny / "never").exists()

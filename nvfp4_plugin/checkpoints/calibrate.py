@@ -16,8 +16,10 @@ value.
 On request the same pass also collects, per dense module, the mean squared input per column
 (``quantize --method mse``'s weights) and, per distinct module input (:func:`naming.shared_input_key`:
 q/k/v share one, gate/up one, each expert's gate/up one), the Hessian ``X^T X / tokens`` in fp32
-``[K, K]`` on the calibration device (``--method gptq``; memory ``K^2 * 4`` bytes per distinct input of
-the whole model, e.g. 0.35 GB per layer of Qwen2.5-1.5B, whose down projection has K = 8960).
+``[K, K]`` on the calibration device (``--method gptq``; memory ``K^2 * 4`` bytes per distinct input,
+e.g. 0.35 GB per layer of Qwen2.5-1.5B, whose down projection has K = 8960, ~1 GB per layer of an 8B
+model). :class:`Calibrator` keeps the model loaded so that ``quantize`` can collect the Hessians in
+several passes within a memory budget (``--gptq-hessian-memory``).
 """
 
 from __future__ import annotations
@@ -211,91 +213,130 @@ def calibrate_input_amax(src, files: CheckpointFiles, modules, *, device, texts:
     ``second_moments`` (a dict, filled in place): each dense module's mean squared input per column
     (fp32 ``[K]``, on the CPU), the weights of ``quantize --method mse``'s block error. With
     ``hessians`` (a dict, filled in place): ``{naming.shared_input_key(module): X^T X / tokens}``, fp32
-    ``[K, K]`` on ``device``, for every requested module whose input the pass saw (GPTQ's Hessians)."""
-    require("transformers", "calibration", "; or pass --no-calibration for weight-only NVFP4")
-    src = Path(src)
-    device = torch.device(device)
-    wanted = set(modules)
-    t0 = time.time()
-    batches = calibration_batches(src, texts, samples, seq_len)
-    model, module_map = load_model(src, files, device)
-    t_load = time.time() - t0
-    stats: dict[str, torch.Tensor] = {}
-
-    def record(key: str, value: torch.Tensor) -> None:
-        prev = stats.get(key)
-        stats[key] = value if prev is None else torch.maximum(prev, value)
-
-    sums: dict[str, list] = {}
-
-    def record_moment(key: str, x: torch.Tensor) -> None:
-        x2 = x.reshape(-1, x.shape[-1]).float()
-        sq = torch.nan_to_num(x2 * x2, nan=0.0, posinf=0.0).sum(0)
-        prev = sums.get(key)
-        sums[key] = [sq, x2.shape[0]] if prev is None else [prev[0] + sq, prev[1] + x2.shape[0]]
-
-    gram: dict[str, list] = {}
-
-    def record_hessian(key: str, x: torch.Tensor) -> None:
-        x2 = torch.nan_to_num(x.reshape(-1, x.shape[-1]).float(), nan=0.0, posinf=0.0, neginf=0.0)
-        prev = gram.get(key)
-        if prev is None:
-            prev = gram[key] = [torch.zeros((x2.shape[1], x2.shape[1]), dtype=torch.float32, device=x2.device), 0]
-        prev[0].addmm_(x2.t(), x2)
-        prev[1] += x2.shape[0]
-
-    hooks = []
-    expert_prefixes = {}
-    for hub_prefix in {naming.parse_expert(m).prefix for m in wanted if naming.parse_expert(m)}:
-        per_expert: dict[int, dict[str, str]] = defaultdict(dict)
-        for m in wanted:
-            ex = naming.parse_expert(m)
-            if ex is not None and ex.prefix == hub_prefix:
-                per_expert[ex.expert][ex.role] = m
-        expert_prefixes[hub_prefix] = per_expert
-
-    hessian_hooked: set[str] = set()
-    for mname, mod in model.named_modules():
-        hub = module_map.get(mname)
-        if hub is None:
-            continue
-        if isinstance(mod, torch.nn.Linear) and hub in wanted:
-            hooks.append(mod.register_forward_pre_hook(
-                lambda _m, args, _hub=hub: record(_hub, _finite_amax(args[0]))))
-            if second_moments is not None:
-                hooks.append(mod.register_forward_pre_hook(
-                    lambda _m, args, _hub=hub: record_moment(_hub, args[0])))
-            key = naming.shared_input_key(hub)
-            if hessians is not None and key not in hessian_hooked:
-                hessian_hooked.add(key)   # the other members of the group read the same tensor
-                hooks.append(mod.register_forward_pre_hook(
-                    lambda _m, args, _key=key: record_hessian(_key, args[0])))
-        elif hub in expert_prefixes and hasattr(mod, "gate_up_proj") and hasattr(mod, "down_proj"):
-            hooks.append(mod.register_forward_pre_hook(
-                _expert_hook(expert_prefixes[hub], record, record_hessian if hessians is not None else None),
-                with_kwargs=True))
-    t1 = time.time()
+    ``[K, K]`` on ``device``, for every requested module whose input the pass saw (GPTQ's Hessians).
+    One forward pass of a :class:`Calibrator`, which is what to keep when more passes follow."""
+    cal = Calibrator(src, files, modules, device=device, texts=texts, samples=samples, seq_len=seq_len,
+                     batch_size=batch_size)
     try:
-        with torch.inference_mode():
-            for i in range(0, batches.shape[0], batch_size):
-                model(input_ids=batches[i:i + batch_size].to(device), use_cache=False)
+        return cal.collect(second_moments=second_moments, hessians=hessians)
     finally:
-        for h in hooks:
-            h.remove()
-    out = {k: float(v.item()) for k, v in stats.items()}
-    if second_moments is not None:
-        second_moments.update({k: (sq / max(n, 1)).cpu() for k, (sq, n) in sums.items()})
-    if hessians is not None:
-        for k in list(gram):
-            h, n = gram.pop(k)
-            hessians[k] = h / max(n, 1)   # one Hessian at a time in two copies, not all of them
-            del h
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    logger.info("nvfp4_plugin: calibration: %d sequences x %d tokens, model load %.1fs, forward %.1fs, %d modules",
-                batches.shape[0], batches.shape[1], t_load, time.time() - t1, len(out))
-    return out
+        cal.close()
+
+
+class Calibrator:
+    """The bf16 model and the calibration token batches, loaded once; each :meth:`collect` is one
+    forward pass over all batches with the requested recorders hooked. ``quantize --method gptq``
+    keeps one open to collect the Hessians in several passes, a few layers' worth each, instead of
+    holding every Hessian of the model at once."""
+
+    def __init__(self, src, files: CheckpointFiles, modules, *, device, texts: list[str] | None = None,
+                 samples: int = 16, seq_len: int = 512, batch_size: int = 4):
+        require("transformers", "calibration", "; or pass --no-calibration for weight-only NVFP4")
+        self.src = Path(src)
+        self.device = torch.device(device)
+        self.wanted = set(modules)
+        self.batch_size = batch_size
+        t0 = time.time()
+        self.batches = calibration_batches(self.src, texts, samples, seq_len)
+        self.model, self.module_map = load_model(self.src, files, self.device)
+        self.t_load = time.time() - t0
+        self.passes = 0
+
+    def close(self) -> None:
+        if self.model is None:
+            return
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def collect(self, *, second_moments: dict[str, torch.Tensor] | None = None,
+                hessians: dict[str, torch.Tensor] | None = None,
+                hessian_keys: set[str] | None = None) -> dict[str, float]:
+        """One pass: input amax of every requested module (returned); ``second_moments`` and
+        ``hessians`` as in :func:`calibrate_input_amax`, the Hessians only of ``hessian_keys``
+        (``naming.shared_input_key`` values) when given."""
+        if self.model is None:
+            raise RuntimeError("Calibrator.collect after close()")
+        wanted, model, module_map, device = self.wanted, self.model, self.module_map, self.device
+        stats: dict[str, torch.Tensor] = {}
+
+        def record(key: str, value: torch.Tensor) -> None:
+            prev = stats.get(key)
+            stats[key] = value if prev is None else torch.maximum(prev, value)
+
+        sums: dict[str, list] = {}
+
+        def record_moment(key: str, x: torch.Tensor) -> None:
+            x2 = x.reshape(-1, x.shape[-1]).float()
+            sq = torch.nan_to_num(x2 * x2, nan=0.0, posinf=0.0).sum(0)
+            prev = sums.get(key)
+            sums[key] = [sq, x2.shape[0]] if prev is None else [prev[0] + sq, prev[1] + x2.shape[0]]
+
+        gram: dict[str, list] = {}
+
+        def record_hessian(key: str, x: torch.Tensor) -> None:
+            if hessian_keys is not None and key not in hessian_keys:
+                return
+            x2 = torch.nan_to_num(x.reshape(-1, x.shape[-1]).float(), nan=0.0, posinf=0.0, neginf=0.0)
+            prev = gram.get(key)
+            if prev is None:
+                prev = gram[key] = [torch.zeros((x2.shape[1], x2.shape[1]), dtype=torch.float32, device=x2.device),
+                                    0]
+            prev[0].addmm_(x2.t(), x2)
+            prev[1] += x2.shape[0]
+
+        hooks = []
+        expert_prefixes = {}
+        for hub_prefix in {naming.parse_expert(m).prefix for m in wanted if naming.parse_expert(m)}:
+            per_expert: dict[int, dict[str, str]] = defaultdict(dict)
+            for m in wanted:
+                ex = naming.parse_expert(m)
+                if ex is not None and ex.prefix == hub_prefix:
+                    per_expert[ex.expert][ex.role] = m
+            expert_prefixes[hub_prefix] = per_expert
+
+        hessian_hooked: set[str] = set()
+        for mname, mod in model.named_modules():
+            hub = module_map.get(mname)
+            if hub is None:
+                continue
+            if isinstance(mod, torch.nn.Linear) and hub in wanted:
+                hooks.append(mod.register_forward_pre_hook(
+                    lambda _m, args, _hub=hub: record(_hub, _finite_amax(args[0]))))
+                if second_moments is not None:
+                    hooks.append(mod.register_forward_pre_hook(
+                        lambda _m, args, _hub=hub: record_moment(_hub, args[0])))
+                key = naming.shared_input_key(hub)
+                if hessians is not None and key not in hessian_hooked and (hessian_keys is None or key in hessian_keys):
+                    hessian_hooked.add(key)   # the other members of the group read the same tensor
+                    hooks.append(mod.register_forward_pre_hook(
+                        lambda _m, args, _key=key: record_hessian(_key, args[0])))
+            elif hub in expert_prefixes and hasattr(mod, "gate_up_proj") and hasattr(mod, "down_proj"):
+                hooks.append(mod.register_forward_pre_hook(
+                    _expert_hook(expert_prefixes[hub], record, record_hessian if hessians is not None else None),
+                    with_kwargs=True))
+        t1 = time.time()
+        try:
+            with torch.inference_mode():
+                for i in range(0, self.batches.shape[0], self.batch_size):
+                    model(input_ids=self.batches[i:i + self.batch_size].to(device), use_cache=False)
+        finally:
+            for h in hooks:
+                h.remove()
+        self.passes += 1
+        out = {k: float(v.item()) for k, v in stats.items()}
+        if second_moments is not None:
+            second_moments.update({k: (sq / max(n, 1)).cpu() for k, (sq, n) in sums.items()})
+        if hessians is not None:
+            for k in list(gram):
+                h, n = gram.pop(k)
+                hessians[k] = h / max(n, 1)   # one Hessian at a time in two copies, not all of them
+                del h
+        logger.info("nvfp4_plugin: calibration pass %d: %d sequences x %d tokens, model load %.1fs, forward %.1fs, "
+                    "%d modules, Hessians of %s inputs", self.passes, self.batches.shape[0], self.batches.shape[1],
+                    self.t_load, time.time() - t1, len(out),
+                    "no" if hessians is None else "all" if hessian_keys is None else len(hessian_keys))
+        return out
 
 
 def _expert_hook(per_expert: dict[int, dict[str, str]], record, record_hessian=None):

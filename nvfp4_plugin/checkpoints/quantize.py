@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -88,6 +89,10 @@ class QuantizeOptions:
     gptq_damping: float = 0.01
     gptq_block_size: int = 128
     gptq_act_order: bool = False
+    #: gptq: the most memory (GB, on the calibration device) the Hessians waiting to be used may take;
+    #: beyond it they are collected in several calibration passes, in the order the layers are quantized.
+    #: None: a quarter of the device's memory (GPU) or of the host's (CPU).
+    gptq_hessian_memory_gb: float | None = None
     max_shard_size: int | str = "5GB"
     overwrite: bool = False
     progress: bool = True
@@ -320,6 +325,77 @@ class _MseQuantizer:
         return quantize_with_scales(x, gs, scales)
 
 
+def _default_hessian_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // 4
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+class _HessianStream:
+    """GPTQ's Hessians for the quantization loop, which asks for them (``pop``) in plan order: each
+    calibration pass collects the next inputs' Hessians up to ``budget`` bytes (``K^2 * 4`` each; at least
+    one per pass), so at most one pass's worth waits in memory. The first pass's come from the main
+    calibration run (``first``); the calibration model stays loaded until the last pass."""
+
+    def __init__(self, calibrator, order: list[tuple[str, int]], budget: int, first: dict[str, torch.Tensor],
+                 first_keys: set[str]):
+        self.cal = calibrator
+        self.order = order
+        self.index = {k: i for i, (k, _) in enumerate(order)}
+        self.budget = budget
+        self.ready = first
+        self.covered = set(first_keys)
+        if self.covered >= set(self.index):
+            self.close()
+
+    @staticmethod
+    def chunk(order: list[tuple[str, int]], start: int, budget: int) -> list[str]:
+        keys, total = [], 0
+        for key, nbytes in order[start:]:
+            if keys and total + nbytes > budget:
+                break
+            keys.append(key)
+            total += nbytes
+        return keys
+
+    def pop(self, key: str, default=None):
+        if key in self.ready:
+            return self.ready.pop(key)
+        if key in self.covered or key not in self.index:
+            return default              # its pass ran and never saw this input (an expert no token reached)
+        keys = self.chunk(self.order, self.index[key], self.budget)
+        self.covered.update(keys)
+        self.cal.collect(hessians=self.ready, hessian_keys=set(keys))
+        if self.covered >= set(self.index):
+            self.close()
+        return self.ready.pop(key, default)
+
+    @property
+    def passes(self) -> int:
+        return self.cal.passes
+
+    def close(self) -> None:
+        self.cal.close()
+
+
+def _hessian_order(plan: QuantPlan) -> list[tuple[str, int]]:
+    """``(naming.shared_input_key, K^2 * 4 bytes)`` of every distinct quantized input, in plan order."""
+    order, seen = [], set()
+    for kind, x in plan.items:
+        if kind != "quant":
+            continue
+        for m in x.modules:
+            key = naming.shared_input_key(m)
+            if key not in seen:
+                seen.add(key)
+                k = plan.quantized[m][1]
+                order.append((key, k * k * 4))
+    return order
+
+
 class _GptqQuantizer:
     """``--method gptq``: one Hessian factorisation per distinct module input (fused shards share it,
     also when ``--per-shard-global-scales`` quantizes them one by one), each Hessian released once
@@ -428,6 +504,9 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
         raise CheckpointError(problem(None, None, "--method gptq needs calibration (its Hessians come from running "
                                                   "the model); --no-calibration allows --method rtn or mse only "
                                                   "(for a weight-only gptq checkpoint use --weights-only)"))
+    if options.gptq_hessian_memory_gb is not None and not options.gptq_hessian_memory_gb > 0:
+        raise CheckpointError(problem(None, None, f"--gptq-hessian-memory: expected a positive number of GB, got "
+                                                  f"{options.gptq_hessian_memory_gb}"))
     gptq_settings = None
     if options.method == "gptq":
         from .gptq import GptqSettings
@@ -459,16 +538,34 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
 
     input_amax: dict[str, float] = {}
     moments: dict[str, torch.Tensor] | None = {} if options.method == "mse" else None
-    hessians: dict[str, torch.Tensor] | None = {} if options.method == "gptq" else None
+    hessians: dict[str, torch.Tensor] | _HessianStream | None = {} if options.method == "gptq" else None
     filled: list[str] = []
     t_cal = time.time()
     if options.calibration and (quant_algo == F.ALGO_W4A4 or moments is not None or hessians is not None):
-        from .calibrate import calibrate_input_amax
+        from .calibrate import Calibrator
 
-        raw = calibrate_input_amax(src, files, plan.modules, device=device, texts=options.calib_texts,
-                                   samples=options.calib_samples, seq_len=options.calib_seq_len,
-                                   batch_size=options.calib_batch_size, second_moments=moments,
-                                   hessians=hessians)
+        cal = Calibrator(src, files, plan.modules, device=device, texts=options.calib_texts,
+                         samples=options.calib_samples, seq_len=options.calib_seq_len,
+                         batch_size=options.calib_batch_size)
+        try:
+            first_keys = None
+            if hessians is not None:
+                order = _hessian_order(plan)
+                budget = (int(options.gptq_hessian_memory_gb * 1e9) if options.gptq_hessian_memory_gb is not None
+                          else _default_hessian_budget(device))
+                first_keys = set(_HessianStream.chunk(order, 0, budget))
+            raw = cal.collect(second_moments=moments, hessians=hessians,
+                              hessian_keys=None if first_keys is None or len(first_keys) == len(order) else first_keys)
+            if hessians is not None:
+                hessians = _HessianStream(cal, order, budget, hessians, first_keys)
+                if len(first_keys) < len(order):
+                    logger.info("nvfp4_plugin: gptq: Hessians of %d inputs (%.1f GB) in passes of at most %.1f GB",
+                                len(order), sum(b for _, b in order) / 1e9, budget / 1e9)
+            else:
+                cal.close()
+        except BaseException:
+            cal.close()
+            raise
         if quant_algo == F.ALGO_W4A4:
             input_amax, filled = _input_amax_for(plan, raw)
         if filled:
@@ -531,6 +628,8 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
                     bar.close()
                 raise
     finally:
+        if isinstance(hessians, _HessianStream):
+            hessians.close()      # the calibration model, if a pass was still to come
         files.close()
     if reader is not None:
         reader.close()
