@@ -39,8 +39,12 @@ def test_moe_warmup_sizes_reach_every_variant():
     w13, w2 = _packed((e, 128, 256), 1), _packed((e, 256, 64), 2)
     sizes = warmup_sizes_fused_moe(w13, w2, top_k, 20000)
     s13, s2 = config_fn("grouped", 128, 256, e), config_fn("grouped", 256, 64, e)
-    variant = lambda t: (s13(t * top_k), s2(t * top_k), t * top_k < e)  # noqa: E731
+    # what each count launches, as w4_grouped decides it (and `info`'s plan reports it): the config after the
+    # Gluon fallback, and whether decode's compact expert slots are on
+    variant = lambda t: (api._grouped_variant(t * top_k, e, s13(t * top_k)),  # noqa: E731
+                         api._grouped_variant(t * top_k, e, s2(t * top_k)))
     assert {variant(t) for t in sizes} == {variant(t) for t in range(1, 20001)}
+    assert len(sizes) == len({variant(t) for t in sizes})             # no count launches nothing new
     assert sizes[0] == 1 and sizes[1] == 4                          # 4 tokens x top-4 = 16 rows: no longer compact
 
 

@@ -304,6 +304,17 @@ def _dense_variant(m: int, lay, cfg: W4Config, sms: int, gluon_mod=False) -> tup
     return ("triton", cfg, cfg.split_k > 1)
 
 
+def _grouped_variant(rows: int, num_e: int, cfg: W4Config, gluon_mod=False) -> tuple:
+    """What :func:`w4_grouped` compiles and launches for ``rows`` routed rows over ``num_e`` experts under
+    ``cfg`` (``compact``: decode's one slot per possibly active expert). ``gluon_mod`` as in
+    :func:`_dense_variant`."""
+    compact = _compact_experts(rows, num_e)
+    g = (_gluon() if gluon_mod is False else gluon_mod) if cfg.gluon else None
+    if g is not None and not compact:
+        return ("grouped-gluon", cfg)
+    return ("grouped-triton", _without_gluon(cfg) if cfg.gluon else cfg, compact > 0)
+
+
 def warmup_sizes_linear(weight: PackedW4Weight, max_tokens: int) -> list[int]:
     """Token counts (ascending) whose :func:`w4_linear` calls together launch every kernel variant that
     any count in ``1..max_tokens`` can launch: run them once at start-up and no later call compiles."""
@@ -322,7 +333,7 @@ def warmup_sizes_fused_moe(w13: PackedW4Weight, w2: PackedW4Weight, top_k: int, 
 
     def variant(t: int) -> tuple:
         rows = t * top_k
-        return sel13(rows), sel2(rows), _compact_experts(rows, num_e) > 0
+        return _grouped_variant(rows, num_e, sel13(rows)), _grouped_variant(rows, num_e, sel2(rows))
 
     return first_sizes(variant, max_tokens)
 

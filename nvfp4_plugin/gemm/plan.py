@@ -26,13 +26,6 @@ def _gluon_mod():
     return gluon_w4
 
 
-def _grouped_variant(cfg: W4Config, compact: int) -> tuple:
-    """What :func:`.api.w4_grouped` launches under ``cfg`` (``compact``: decode's one slot per active expert)."""
-    if cfg.gluon and _gluon_mod() is not None and not compact:
-        return ("grouped-gluon", cfg)
-    return ("grouped-triton", api._without_gluon(cfg) if cfg.gluon else cfg, compact > 0)
-
-
 def linear_variants(n: int, k: int, max_tokens: int, *, dev_key: str, sms: int = 132,
                     act_dtype: torch.dtype = torch.bfloat16) -> list[tuple[int, int, tuple]]:
     """``(first, last, variant)`` token ranges of a dense ``N x K`` layer on device ``dev_key``."""
@@ -46,11 +39,12 @@ def fused_moe_variants(e: int, h: int, i: int, top_k: int, max_tokens: int, *, d
                        sms: int = 132) -> list[tuple[int, int, tuple]]:
     """``(first, last, (up variant, down variant))`` token ranges of a fused MoE layer (``top_k``
     experts per token; the GEMMs see ``tokens * top_k`` routed rows)."""
+    g = _gluon_mod()
+
     def variant(t: int) -> tuple:
         rows = t * top_k
-        compact = api._compact_experts(rows, e)
-        return (_grouped_variant(_select("grouped", rows, 2 * i, h, e, dev_key, sms), compact),
-                _grouped_variant(_select("grouped", rows, h, i, e, dev_key, sms), compact))
+        return (api._grouped_variant(rows, e, _select("grouped", rows, 2 * i, h, e, dev_key, sms), g),
+                api._grouped_variant(rows, e, _select("grouped", rows, h, i, e, dev_key, sms), g))
 
     return size_ranges(variant, max_tokens)
 
