@@ -34,7 +34,8 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 import bench_gemm as bg  # noqa: E402
 from benchmarks.common import time_calls  # noqa: E402
 
-from nvfp4_plugin.gemm import HopperW4Layout, W4Config, w4_dequantize, w4_grouped, w4_linear, w4_masked  # noqa: E402
+from nvfp4_plugin.gemm import (DequantMmConfig, HopperW4Layout, TritonMmaConfig, TritonWgmmaConfig,  # noqa: E402
+                               W4Config, w4_dequantize, w4_grouped, w4_linear, w4_masked)
 from nvfp4_plugin.gemm import select as gsel  # noqa: E402
 
 DENSE_BUCKETS = [1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
@@ -76,8 +77,9 @@ def _streaming_space(bm: int, v2_choices, n_tiles_of, k: int, split: bool, m_spl
                     splits = _splits(n_tiles_of(bn), k, bk) if split else [1]
                     for sk in splits:
                         for ms in m_split:
-                            cands.append(W4Config(bn=bn, bm=bm, bk=bk, split_k=sk, num_warps=warps,
-                                                  num_stages=stages, v2=v2, m_split=ms))
+                            family = TritonMmaConfig if v2 else TritonWgmmaConfig
+                            cands.append(family(bn=bn, bm=bm, bk=bk, split_k=sk, num_warps=warps,
+                                                num_stages=stages, m_split=ms))
     return cands
 
 
@@ -95,7 +97,7 @@ def dense_candidates(m: int, n: int, k: int) -> list[W4Config]:
                 for bk in (64, 128):
                     for stages in (3, 4):
                         for sk in (1, 2):
-                            cands.append(W4Config(bn=bn, bm=bm, bk=bk, split_k=sk, num_warps=warps,
+                            cands.append(TritonWgmmaConfig(bn=bn, bm=bm, bk=bk, split_k=sk, num_warps=warps,
                                                   num_stages=stages))
         return cands + gluon_candidates(m, n, k)
     if m <= 256:
@@ -103,18 +105,18 @@ def dense_candidates(m: int, n: int, k: int) -> list[W4Config]:
             for bn, warps in ((128, 4), (128, 8)):
                 for bk in (64, 128):
                     for stages in (3, 4):
-                        cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=warps, num_stages=stages))
+                        cands.append(TritonWgmmaConfig(bn=bn, bm=bm, bk=bk, num_warps=warps, num_stages=stages))
         # (the shared-memory wgmma candidates lost every dense problem they were offered before the Gluon
         # kernel came; they stay in the grouped / masked spaces)
-        return cands + [W4Config(dequant_mm=True)] + gluon_candidates(m, n, k)
+        return cands + [DequantMmConfig()] + gluon_candidates(m, n, k)
     cands += gluon_candidates(m, n, k)
     for bm in (128, 256):
         for bk in (64, 128):
             for stages in (3, 4):
                 if bm == 256 and bk == 128 and stages == 4:
                     continue       # shared memory
-                cands.append(W4Config(bn=128, bm=bm, bk=bk, num_warps=8, num_stages=stages))
-    cands.append(W4Config(dequant_mm=True))
+                cands.append(TritonWgmmaConfig(bn=128, bm=bm, bk=bk, num_warps=8, num_stages=stages))
+    cands.append(DequantMmConfig())
     return cands
 
 
@@ -156,8 +158,8 @@ def ss_candidates(n: int, bms, m_split=(0,)) -> list[W4Config]:
             for bk in (64, 128):
                 for stages in (3, 4):
                     for ms in m_split:
-                        cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=8, num_stages=stages, m_split=ms,
-                                              ss=True))
+                        cands.append(TritonWgmmaConfig(bn=bn, bm=bm, bk=bk, num_warps=8, num_stages=stages,
+                                                       m_split=ms, ss=True))
     return cands
 
 
@@ -175,7 +177,8 @@ def grouped_candidates(rows: int, e: int, n: int, k: int) -> list[W4Config]:
             for bk in (64, 128):
                 for stages in (3, 4):
                     for ms in (1, 2, 4):
-                        cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=warps, num_stages=stages, m_split=ms))
+                        cands.append(TritonWgmmaConfig(bn=bn, bm=bm, bk=bk, num_warps=warps, num_stages=stages,
+                                                       m_split=ms))
     if per > 96:
         cands += ss_candidates(n, (64, 128), m_split=(1, 2)) + grouped_gluon_candidates((128,))
     return cands
@@ -202,7 +205,8 @@ def masked_candidates(max_m: int, e: int, n: int, k: int) -> list[W4Config]:
             for bk in (64, 128):
                 for stages in (3, 4):
                     for ms in ((1,) if max_m <= 64 else (1, 2)):
-                        cands.append(W4Config(bn=bn, bm=bm, bk=bk, num_warps=warps, num_stages=stages, m_split=ms))
+                        cands.append(TritonWgmmaConfig(bn=bn, bm=bm, bk=bk, num_warps=warps, num_stages=stages,
+                                                       m_split=ms))
     if max_m > 64:
         cands += ss_candidates(n, (64, 128), m_split=(1, 2)) + grouped_gluon_candidates((128, 256))
     return cands

@@ -17,24 +17,24 @@ import pytest
 import torch
 
 from nvfp4_plugin import reference as ref
-from nvfp4_plugin.gemm import W4Config
+from nvfp4_plugin.gemm import DequantMmConfig, TritonMmaConfig, TritonWgmmaConfig
 from nvfp4_plugin.weights import Nvfp4Weight
 
 ON_GPU = torch.cuda.is_available()
 DEV = torch.device("cuda" if ON_GPU else "cpu")
 MAX_ULP_SEEN: dict = {}
 
-V2_8 = W4Config(bn=64, bm=8, bk=64, v2=True)
-V3_16 = W4Config(bn=64, bm=16, bk=128)
-BN128 = W4Config(bn=128, bm=32, bk=64, num_warps=8)
-SPLIT = W4Config(bn=64, bm=8, bk=64, v2=True, split_k=3)
-BK256 = W4Config(bn=64, bm=16, bk=256, split_k=2)
-V2_16 = W4Config(bn=64, bm=16, bk=64, v2=True)
-BN32 = W4Config(bn=32, bm=8, bk=128, v2=True, num_warps=2)
-SS64 = W4Config(bn=64, bm=64, bk=64, ss=True)
+V2_8 = TritonMmaConfig(bn=64, bm=8, bk=64)
+V3_16 = TritonWgmmaConfig(bn=64, bm=16, bk=128)
+BN128 = TritonWgmmaConfig(bn=128, bm=32, bk=64, num_warps=8)
+SPLIT = TritonMmaConfig(bn=64, bm=8, bk=64, split_k=3)
+BK256 = TritonWgmmaConfig(bn=64, bm=16, bk=256, split_k=2)
+V2_16 = TritonMmaConfig(bn=64, bm=16, bk=64)
+BN32 = TritonMmaConfig(bn=32, bm=8, bk=128, num_warps=2)
+SS64 = TritonWgmmaConfig(bn=64, bm=64, bk=64, ss=True)
 
 CONFIGS = {"v2_bm8": V2_8, "v3_bm16": V3_16, "bn128": BN128, "splitk3": SPLIT, "bk256_split2": BK256,
-           "v2_bm16": V2_16, "bn32": BN32, "dequant_mm": W4Config(dequant_mm=True)}
+           "v2_bm16": V2_16, "bn32": BN32, "dequant_mm": DequantMmConfig()}
 
 
 def ulp_error(y: torch.Tensor, y_ref: torch.Tensor, dtype: torch.dtype, tag: str) -> float:

@@ -102,12 +102,12 @@ def test_info_capability_hopper_compiles_every_variant():
 def test_compile_check_reports_kernels_that_cannot_build_for_blackwell():
     """Why the gate exists: the Hopper kernels do not build for sm_100 with this Triton; the check names
     each failure, also where the compiler aborts the process (Gluon's wgmma)."""
-    from nvfp4_plugin.gemm import W4Config
+    from nvfp4_plugin.gemm import GluonConfig, TritonMmaConfig, TritonWgmmaConfig
     from nvfp4_plugin.layers import deploy
 
-    items = [(("triton", W4Config(bn=64, bm=8, bk=128, v2=True, num_stages=3), False), None, 1),
-             (("triton", W4Config(bn=128, bm=64, bk=128, num_warps=8), False), None, 1),
-             (("gluon", W4Config(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True), False), None, 1),
+    items = [(("triton", TritonMmaConfig(bn=64, bm=8, bk=128, num_stages=3), False), None, 1),
+             (("triton", TritonWgmmaConfig(bn=128, bm=64, bk=128, num_warps=8), False), None, 1),
+             (("gluon", GluonConfig(bn=64, bm=128, bk=64, num_warps=4, num_stages=4), False), None, 1),
              (("dequant_mm",), None, 1)]
     res = deploy.compile_isolated(items, (10, 0))
     assert res[0] is None and res[3] is None, res             # mma.sync and the dequantize kernel do build

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from nvfp4_plugin import numerics as nx
 from nvfp4_plugin import reference as ref
-from nvfp4_plugin.gemm import W4Config, prepack, w4_dequantize, w4_linear
+from nvfp4_plugin.gemm import (DequantMmConfig, TritonMmaConfig, TritonWgmmaConfig, W4Config, prepack, w4_dequantize,
+                               w4_linear)
 from nvfp4_plugin.gemm import select as gsel
 from nvfp4_plugin.gemm import triton_w4
 from nvfp4_plugin.weights import Nvfp4Weight
@@ -51,7 +52,7 @@ def test_dense_m0_and_k_not_multiple_of_tile():
     y = w4_linear(torch.empty(0, 48, dtype=torch.bfloat16, device=DEV), p)
     assert y.shape == (0, 64)
     x = act((3, 48), torch.bfloat16, seed=1)
-    for cfg in (V2_8, W4Config(bn=64, bm=16, bk=256, split_k=1)):
+    for cfg in (V2_8, TritonWgmmaConfig(bn=64, bm=16, bk=256, split_k=1)):
         assert ulp_error(w4_linear(x, p, config=cfg), dense_ref(x, w), torch.bfloat16, "dense/k48") <= 2
 
 
@@ -82,7 +83,7 @@ def test_dense_argument_errors():
     with pytest.raises(ValueError, match="bias"):
         w4_linear(act((2, 64), torch.bfloat16, 0), p, act((31,), torch.bfloat16, 0))
     with pytest.raises(ValueError, match="bm=8"):
-        W4Config(bm=8)
+        TritonWgmmaConfig(bm=8)
 
 
 def test_dequantize_kernel_is_exact():
@@ -98,7 +99,8 @@ def test_dequantize_kernel_is_exact():
         assert torch.allclose(full.cpu(), w.dequantize().cpu(), rtol=2**-22, atol=0)
 
 
-FUZZ_CONFIGS = [V2_8, V3_16, BN128, SPLIT, BK256, V2_16, BN32, W4Config(bn=128, bm=64, bk=128, num_warps=8, split_k=2),
+FUZZ_CONFIGS = [V2_8, V3_16, BN128, SPLIT, BK256, V2_16, BN32,
+                TritonWgmmaConfig(bn=128, bm=64, bk=128, num_warps=8, split_k=2),
                 SS64]
 
 
@@ -125,19 +127,19 @@ def test_dense_ss_tiles(m):
     w = make_weight((), 72, 208, seed=m)
     p = prepack(w, dtype)
     x = act((m, 208), dtype, seed=m + 1)
-    for cfg in (SS64, W4Config(bn=128, bm=128, bk=128, num_warps=8, ss=True)):
+    for cfg in (SS64, TritonWgmmaConfig(bn=128, bm=128, bk=128, num_warps=8, ss=True)):
         assert ulp_error(w4_linear(x, p, config=cfg), dense_ref(x, w), dtype, "dense_ss") <= 2, cfg
 
 
 def test_ss_config_validation():
-    assert W4Config(bn=256, bm=128, ss=True, num_warps=8).bn == 256
-    with pytest.raises(ValueError, match="ss .*needs v2=False and bm >= 64"):
-        W4Config(bm=32, ss=True)
-    with pytest.raises(ValueError, match="W4Config.bn"):
-        W4Config(bn=256, bm=128)
-    assert W4Config.from_json(W4Config(bm=64, ss=True).to_json()) == W4Config(bm=64, ss=True)
+    assert TritonWgmmaConfig(bn=256, bm=128, ss=True, num_warps=8).bn == 256
+    with pytest.raises(ValueError, match="ss .*needs bm >= 64"):
+        TritonWgmmaConfig(bm=32, ss=True)
+    with pytest.raises(ValueError, match=r"TritonWgmmaConfig.bn: expected 64 or 128 \(256 with ss\)"):
+        TritonWgmmaConfig(bn=256, bm=128)
+    assert W4Config.from_json(TritonWgmmaConfig(bm=64, ss=True).to_json()) == TritonWgmmaConfig(bm=64, ss=True)
     # a 256-wide tile must divide the padded N (its weight loads are unmasked along N)
-    wide = W4Config(bn=256, bm=64, bk=64, num_warps=8, ss=True)
+    wide = TritonWgmmaConfig(bn=256, bm=64, bk=64, num_warps=8, ss=True)
     for n in (72, 384):
         p = prepack(make_weight((), n, 64, seed=n), torch.bfloat16)
         with pytest.raises(ValueError, match=f"bn=256 needs the padded N \\({p.layout.n_pad}\\)"):
@@ -158,10 +160,10 @@ def test_gpu_dense_shapes(m, n, k, dtype):
     y_ref = dense_ref(x, w)
     assert ulp_error(w4_linear(x, p), y_ref, dtype, f"gpu_dense/{dtype}") <= 2
     # every kind of config selection can hand out
-    for cfg in (V2_8, V2_16, V3_16, BN128, W4Config(bn=128, bm=128, bk=64, num_warps=8, num_stages=4),
-                W4Config(bn=64, bm=8, bk=256, v2=True, split_k=8), W4Config(dequant_mm=True), SS64,
-                W4Config(bn=128, bm=128, bk=64, num_warps=8, num_stages=4, ss=True),
-                W4Config(bn=256, bm=128, bk=64, num_warps=8, num_stages=3, ss=True)):
+    for cfg in (V2_8, V2_16, V3_16, BN128, TritonWgmmaConfig(bn=128, bm=128, bk=64, num_warps=8, num_stages=4),
+                TritonMmaConfig(bn=64, bm=8, bk=256, split_k=8), DequantMmConfig(), SS64,
+                TritonWgmmaConfig(bn=128, bm=128, bk=64, num_warps=8, num_stages=4, ss=True),
+                TritonWgmmaConfig(bn=256, bm=128, bk=64, num_warps=8, num_stages=3, ss=True)):
         assert ulp_error(w4_linear(x, p, config=cfg), y_ref, dtype, f"gpu_dense/{dtype}") <= 2, cfg
 
 
@@ -181,7 +183,7 @@ def test_gpu_dequant_mm_epilogues(dtype, shards, bias_dtype):
     assert (p.layout.alpha_const is None) == shards
     x = act((m, k), dtype, seed=12)
     bias = None if bias_dtype is None else act((n,), dtype, seed=13).to(dtype if bias_dtype == "act" else bias_dtype)
-    cfg = W4Config(dequant_mm=True)
+    cfg = DequantMmConfig()
     y = w4_linear(x, p, bias, config=cfg)
     assert y.dtype == dtype and y.shape == (m, n)
     assert ulp_error(y, dense_ref(x, w, bias), dtype, f"dequant_mm/{dtype}") <= 2
@@ -191,11 +193,11 @@ def test_gpu_dequant_mm_epilogues(dtype, shards, bias_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [W4Config(bn=128, bm=128, bk=64, num_warps=8, num_stages=4),
-                                 W4Config(bn=128, bm=128, bk=64, num_warps=8, num_stages=3),
-                                 W4Config(bn=128, bm=256, bk=64, num_warps=8, num_stages=3),
-                                 W4Config(bn=128, bm=128, bk=64, num_warps=8, num_stages=4, ss=True),
-                                 W4Config(bn=128, bm=256, bk=64, num_warps=8, num_stages=3, ss=True)],
+@pytest.mark.parametrize("cfg", [TritonWgmmaConfig(bn=128, bm=128, bk=64, num_warps=8, num_stages=4),
+                                 TritonWgmmaConfig(bn=128, bm=128, bk=64, num_warps=8, num_stages=3),
+                                 TritonWgmmaConfig(bn=128, bm=256, bk=64, num_warps=8, num_stages=3),
+                                 TritonWgmmaConfig(bn=128, bm=128, bk=64, num_warps=8, num_stages=4, ss=True),
+                                 TritonWgmmaConfig(bn=128, bm=256, bk=64, num_warps=8, num_stages=3, ss=True)],
                          ids=["bm128s4", "bm128s3", "bm256s3", "ss_bm128s4", "ss_bm256s3"])
 def test_gpu_large_token_tiles(cfg):
     """The multi-wave shapes on which bm>=128 wgmma programs raced before the fix (select.MAX_SAFE_BM)."""
@@ -214,7 +216,7 @@ def test_gpu_split_k_deterministic_and_graph_capturable():
     w = make_weight((), 2048, 4096, seed=1)
     p = prepack(w, torch.bfloat16)
     x = act((4, 4096), torch.bfloat16, seed=2)
-    cfg = W4Config(bn=64, bm=8, bk=256, v2=True, split_k=8)
+    cfg = TritonMmaConfig(bn=64, bm=8, bk=256, split_k=8)
     y1 = w4_linear(x, p, config=cfg)
     y2 = w4_linear(x, p, config=cfg)
     assert torch.equal(y1, y2)

@@ -8,26 +8,26 @@ import pytest
 import torch
 
 from nvfp4_plugin import numerics as nx
-from nvfp4_plugin.gemm import W4Config, prepack, w4_grouped, w4_linear, w4_masked
+from nvfp4_plugin.gemm import GluonConfig, TritonWgmmaConfig, W4Config, prepack, w4_grouped, w4_linear, w4_masked
 from nvfp4_plugin.gemm import select as gsel
 
 from .gemm_cases import (DEV, ON_GPU, act, dense_ref, graph_replay, grouped_ref, make_weight,
                          report_max_ulps, routing, ulp_error)  # noqa: F401  (autouse fixture)
 
 
-GLUON_CFGS = [W4Config(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True),
-               W4Config(bn=64, bm=256, bk=64, num_warps=4, num_stages=3, gluon=True, split_k=3),
-               W4Config(bn=128, bm=128, bk=128, num_warps=8, num_stages=3, gluon=True),
-               W4Config(bn=128, bm=256, bk=128, num_warps=8, num_stages=2, gluon=True, split_k=2),
-               W4Config(bn=64, bm=64, bk=128, num_warps=4, num_stages=2, gluon=True, split_k=8),
+GLUON_CFGS = [GluonConfig(bn=64, bm=128, bk=64, num_warps=4, num_stages=4),
+               GluonConfig(bn=64, bm=256, bk=64, num_warps=4, num_stages=3, split_k=3),
+               GluonConfig(bn=128, bm=128, bk=128, num_warps=8, num_stages=3),
+               GluonConfig(bn=128, bm=256, bk=128, num_warps=8, num_stages=2, split_k=2),
+               GluonConfig(bn=64, bm=64, bk=128, num_warps=4, num_stages=2, split_k=8),
                # weights 4 K steps ahead: K steps per split 1, 17, 65 and 32 (11 / 11 / 10 with split 3)
                # leave 0-3 steps after the unrolled loop
-               W4Config(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True, prefetch=4),
-               W4Config(bn=128, bm=256, bk=64, num_warps=8, num_stages=2, gluon=True, split_k=3, prefetch=4),
+               GluonConfig(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, prefetch=4),
+               GluonConfig(bn=128, bm=256, bk=64, num_warps=8, num_stages=2, split_k=3, prefetch=4),
                # split only the tiles past the last whole wave: at 1030 x 4100 (585 tiles of 128 rows x 64 on 132
                # SMs) 522 tiles over all of K and 63 split 2 ways (N columns 3712-4099, the last one ragged),
                # at 333 x 1000 (48 tiles) all split
-               W4Config(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True, split_k=2, prefetch=4,
+               GluonConfig(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, split_k=2, prefetch=4,
                         split_tail=True)]
 
 
@@ -63,8 +63,8 @@ def test_gpu_gluon_dense(cfg, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [GLUON_CFGS[0], GLUON_CFGS[2], W4Config(bn=64, bm=128, bk=128, num_warps=4,
-                                                                         num_stages=3, gluon=True, m_split=2),
+@pytest.mark.parametrize("cfg", [GLUON_CFGS[0], GLUON_CFGS[2], GluonConfig(bn=64, bm=128, bk=128, num_warps=4,
+                                                                         num_stages=3, m_split=2),
                                  GLUON_CFGS[5]],
                          ids=["bn64bm128", "bn128bm128bk128", "msplit2", "bn64bm128pf4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -116,19 +116,19 @@ def test_gpu_gluon_grouped_and_masked(cfg, dtype):
 
 
 def test_gluon_config_validation_and_selection():
-    with pytest.raises(ValueError, match="gluon needs bn 64 or 128 with bn/16 warps"):
-        W4Config(bn=128, bm=128, num_warps=4, gluon=True)
-    with pytest.raises(ValueError, match="gluon excludes"):
-        W4Config(bn=64, bm=128, v2=True, gluon=True)
+    with pytest.raises(ValueError, match="GluonConfig: needs bn 64 or 128 with bn/16 warps"):
+        GluonConfig(bn=128, bm=128, num_warps=4)
+    with pytest.raises(ValueError, match="at most one of"):
+        W4Config.from_json(dict(bn=64, bm=128, v2=True, gluon=True))
     with pytest.raises(ValueError, match="does not fit"):
-        W4Config(bn=64, bm=256, bk=128, num_warps=4, num_stages=4, gluon=True)
+        GluonConfig(bn=64, bm=256, bk=128, num_warps=4, num_stages=4)
     assert W4Config.from_json(GLUON_CFGS[1].to_json()) == GLUON_CFGS[1]
-    with pytest.raises(ValueError, match="gluon options"):
-        W4Config(bn=64, bm=128, split_k=2, split_tail=True)
+    with pytest.raises(TypeError, match="split_tail"):             # a Gluon-only field
+        TritonWgmmaConfig(bn=64, bm=128, split_k=2, split_tail=True)
     with pytest.raises(ValueError, match="needs split_k >= 2"):
-        W4Config(bn=64, bm=128, num_warps=4, gluon=True, split_tail=True)
+        GluonConfig(bn=64, bm=128, num_warps=4, split_tail=True)
     with pytest.raises(ValueError, match="prefetch"):
-        W4Config(bn=64, bm=128, num_warps=4, gluon=True, prefetch=3)
+        GluonConfig(bn=64, bm=128, num_warps=4, prefetch=3)
     # split_tail: whole waves of one tile per SM over all of K, rounded down to whole N columns of tiles
     from nvfp4_plugin.gemm import gluon_w4
     assert gluon_w4.dp_tiles(9, 64, 132, True) == 522            # 528 rounded down to a multiple of 9

@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 
 from nvfp4_plugin import numerics as nx
 from nvfp4_plugin import reference as ref
-from nvfp4_plugin.gemm import W4Config, prepack, w4_grouped, w4_masked
+from nvfp4_plugin.gemm import TritonWgmmaConfig, prepack, w4_grouped, w4_masked
 
 from .gemm_cases import (BN32, BN128, DEV, SS64, V2_8, V3_16, act, graph_replay, grouped_ref, make_weight,
                          report_max_ulps, routing, ulp_error)  # noqa: F401  (autouse fixture)
 
 
-@pytest.mark.parametrize("cfg", [None, V2_8, W4Config(bn=64, bm=16, bk=64, m_split=2), BN128, BN32, SS64])
+@pytest.mark.parametrize("cfg", [None, V2_8, TritonWgmmaConfig(bn=64, bm=16, bk=64, m_split=2), BN128, BN32, SS64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_grouped_sorted_rows(cfg, dtype):
     num_e, n, k, tokens, top_k = 4, 72, 96, 9, 2
@@ -30,7 +30,7 @@ def test_grouped_sorted_rows(cfg, dtype):
     assert ulp_error(y.cpu(), grouped_ref(x, w, offsets), dtype, f"grouped/{dtype}") <= 2
 
 
-@pytest.mark.parametrize("cfg", [V2_8, W4Config(bn=64, bm=16, bk=128, m_split=3)])
+@pytest.mark.parametrize("cfg", [V2_8, TritonWgmmaConfig(bn=64, bm=16, bk=128, m_split=3)])
 def test_grouped_gather_scatter_topk_weights(cfg):
     """Up-projection reads tokens through the gather index; down-projection writes pair slots
     through the scatter index times the top-k weights, so the MoE needs no permute copies."""
@@ -68,7 +68,7 @@ def test_grouped_w4a4_and_empty():
     assert w4_grouped(x[:0], p, zero).shape == (0, n)
 
 
-@pytest.mark.parametrize("cfg", [None, V2_8, W4Config(bn=64, bm=16, bk=64, m_split=2)])
+@pytest.mark.parametrize("cfg", [None, V2_8, TritonWgmmaConfig(bn=64, bm=16, bk=64, m_split=2)])
 def test_grouped_fewer_rows_than_experts(cfg):
     """Decode-sized routing (rows < experts): the grid has one slot per possible active expert and each
     finds its expert from the offsets; empty experts between, rows past expert_offsets[E], gather and
@@ -105,7 +105,8 @@ def test_grouped_fewer_rows_than_experts(cfg):
 
 @settings(max_examples=8, deadline=None, derandomize=True)
 @given(counts=st.lists(st.integers(0, 11), min_size=1, max_size=5), nb=st.integers(1, 9), kb=st.integers(1, 9),
-       cfg=st.sampled_from([None, V2_8, V3_16, W4Config(bn=64, bm=16, bk=64, m_split=3)]), gather=st.booleans(),
+       cfg=st.sampled_from([None, V2_8, V3_16, TritonWgmmaConfig(bn=64, bm=16, bk=64, m_split=3)]),
+       gather=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_grouped_fuzz(counts, nb, kb, cfg, gather, seed):
     num_e, n, k = len(counts), 16 * nb - 3, 16 * kb

@@ -32,7 +32,7 @@ SCRIPT = r"""
 import json, sys
 from nvfp4_plugin.gemm import W4Config
 from nvfp4_plugin.gemm import inspect_sass as I
-cfg = W4Config(**json.loads(sys.argv[1]))
+cfg = W4Config.from_json(json.loads(sys.argv[1]))
 s = I.summary(I.compile_config(cfg, mode=int(sys.argv[2])))
 inner = s["loops"][-1] if int(sys.argv[2]) == 0 else max(s["loops"], key=lambda l: l[1].get("HMMA", 0) + l[1].get("HGMMA", 0))
 print(json.dumps(dict(local=s["local"], hgmma=s["hgmma"], hmma=s["hmma"], loop_n=inner[0], loop_ops=dict(inner[1]),
@@ -153,7 +153,7 @@ GLUON_SCRIPT = r"""
 import collections, json, sys
 from nvfp4_plugin.gemm import W4Config
 from nvfp4_plugin.gemm import inspect_sass as I
-cfg = W4Config(**json.loads(sys.argv[1]))
+cfg = W4Config.from_json(json.loads(sys.argv[1]))
 ck = I.compile_gluon(cfg, fp16=sys.argv[2] == "1", split=cfg.split_k > 1, mode=int(sys.argv[3]))
 s = I.summary(ck)
 body = I._wgmma_loop_body(I.sass_text(ck))   # the innermost loop that issues wgmmas

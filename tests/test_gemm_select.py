@@ -1,13 +1,15 @@
 """GEMM config selection (gemm/select.py): the tuned tables shipped per device, what the heuristic hands
 out for the served shapes, lookups by bucket, and the MAX_SAFE_BM clamp. Host-side only: no kernel
-runs here.
+runs here. The config types: one per kernel family.
 """
 
 import json
 
+import pytest
 import torch
 
-from nvfp4_plugin.gemm import W4Config, select_config
+from nvfp4_plugin.gemm import (DequantMmConfig, GluonConfig, TritonMmaConfig, TritonWgmmaConfig, W4Config,
+                               select_config)
 from nvfp4_plugin.gemm import layout
 from nvfp4_plugin.gemm import select as gsel
 
@@ -19,7 +21,7 @@ def test_config_selection_from_json(tmp_path, monkeypatch):
     monkeypatch.setenv(gsel.ENV_CONFIG_DIR, str(tmp_path))
     gsel.clear_cache()
     try:
-        assert select_config("dense", 1, 256, 512) == W4Config(bm=8, v2=True, split_k=4)
+        assert select_config("dense", 1, 256, 512) == TritonMmaConfig(bm=8, split_k=4)
         assert select_config("dense", 4, 256, 512).split_k == 4
         assert select_config("dense", 5, 256, 512).bm == 64
         # beyond the largest tuned bucket the heuristic decides (a table tuned for decode sizes only
@@ -49,7 +51,7 @@ def test_heuristics_are_valid_for_the_target_shapes():
         for n, k in DENSE_SHAPES:
             c = gsel.heuristic("dense", m, n, k)
             if m >= gsel.DEQUANT_MM_MIN_M:
-                assert c == W4Config(dequant_mm=True), (m, n, k, c)
+                assert c == DequantMmConfig(), (m, n, k, c)
                 kinds_seen.add("dequant_mm")
             elif m > gsel.GLUON_MIN_M:
                 assert c.gluon and -(-m // c.bm) <= 2 and c.prefetch == 4, (m, n, k, c)
@@ -119,8 +121,39 @@ def test_selection_stays_within_max_safe_bm(monkeypatch):
                              ("grouped", 32768, 4096, 7168, 256), ("masked", 256, 4096, 7168, 256)):
         cfg = select_config(kind, m, n, k, e, device=torch.device("cpu"))
         assert cfg.dequant_mm or cfg.bm <= gsel.MAX_SAFE_BM, (kind, m, n, k, cfg)
-    assert gsel.safe(W4Config(bm=256)).bm == min(256, gsel.MAX_SAFE_BM)
+    assert gsel.safe(TritonWgmmaConfig(bm=256)).bm == min(256, gsel.MAX_SAFE_BM)
     monkeypatch.setattr(gsel, "MAX_SAFE_BM", 64)  # the clamp, should a Triton upgrade bring the race back
-    assert gsel.safe(W4Config(bm=128)).bm == 64
-    assert gsel.safe(W4Config(dequant_mm=True)).dequant_mm
-    assert gsel.safe(W4Config(bm=128, ss=True)).bm == 128  # shared-memory operands: no register race
+    assert gsel.safe(TritonWgmmaConfig(bm=128)).bm == 64
+    assert gsel.safe(DequantMmConfig()).dequant_mm
+    assert gsel.safe(TritonWgmmaConfig(bm=128, ss=True)).bm == 128  # shared-memory operands: no register race
+
+
+def test_one_config_type_per_kernel_family():
+    """Each kernel family has its own config type with its own checks; the launch code reads the family from
+    the type; the tables name it; tables written with the old flags still read the same."""
+    with pytest.raises(TypeError, match="base of the kernel families"):
+        W4Config(bm=8)
+    cases = [(TritonMmaConfig(bm=8, split_k=4), "triton-mma", "triton mma.sync", dict(bm=8, split_k=4, v2=True)),
+             (TritonWgmmaConfig(bk=256), "triton-wgmma", "triton wgmma", dict(bk=256)),
+             (TritonWgmmaConfig(bn=128, bm=64, num_warps=8, ss=True), "triton-wgmma", "triton wgmma (smem operands)",
+              dict(bn=128, bm=64, num_warps=8, ss=True)),
+             (GluonConfig(bm=128, prefetch=4), "gluon", "gluon wgmma", dict(bm=128, gluon=True, prefetch=4)),
+             (DequantMmConfig(), "dequant-mm", "dequantize + cuBLAS", dict(dequant_mm=True))]
+    for cfg, family, label, legacy in cases:
+        j = cfg.to_json()
+        assert j["family"] == family and cfg.label == label
+        assert W4Config.from_json(j) == cfg == W4Config.from_json(legacy)
+        flags = (cfg.v2, cfg.gluon, cfg.dequant_mm)
+        assert sum(flags) <= 1 and flags == (family == "triton-mma", family == "gluon", family == "dequant-mm")
+    assert TritonMmaConfig(bm=16) != TritonWgmmaConfig(bm=16)          # same fields, different kernels
+    with pytest.raises(ValueError, match="unknown family 'cutlass'"):
+        W4Config.from_json({"family": "cutlass"})
+    with pytest.raises(ValueError, match="TritonMmaConfig: unknown keys \\['ss'\\]"):
+        W4Config.from_json({"family": "triton-mma", "ss": True})
+    with pytest.raises(ValueError, match="with family 'gluon'"):
+        W4Config.from_json({"family": "gluon", "v2": True})
+    # the shipped table: every entry names its family
+    table = json.loads((gsel.CONFIG_DIR / "NVIDIA_H200.json").read_text())
+    entries = [c for kind in gsel.KINDS for shape in table.get(kind, {}).values() for c in shape.values()]
+    assert entries and all(c["family"] in gsel.FAMILIES for c in entries)
+    assert {W4Config.from_json(c).FAMILY for c in entries} == set(gsel.FAMILIES)

@@ -8,11 +8,11 @@ import torch
 sys.path.insert(0, ".")
 import tests.gemm_cases as T  # noqa: E402
 from nvfp4_plugin.gemm import prepack, w4_linear  # noqa: E402
-from nvfp4_plugin.gemm.select import W4Config, select_config  # noqa: E402
-cfgs = {"wg128": W4Config(bn=128, bm=128, bk=64, num_warps=8, num_stages=4),
-        "wg128s3": W4Config(bn=128, bm=128, bk=64, num_warps=8, num_stages=3),
-        "wg64": W4Config(bn=128, bm=64, bk=64, num_warps=8, num_stages=4),
-        "v3_16": T.V3_16, "bn128": T.BN128, "v2_8": T.V2_8, "dq": W4Config(dequant_mm=True)}
+from nvfp4_plugin.gemm.select import DequantMmConfig, TritonWgmmaConfig, select_config  # noqa: E402
+cfgs = {"wg128": TritonWgmmaConfig(bn=128, bm=128, bk=64, num_warps=8, num_stages=4),
+        "wg128s3": TritonWgmmaConfig(bn=128, bm=128, bk=64, num_warps=8, num_stages=3),
+        "wg64": TritonWgmmaConfig(bn=128, bm=64, bk=64, num_warps=8, num_stages=4),
+        "v3_16": T.V3_16, "bn128": T.BN128, "v2_8": T.V2_8, "dq": DequantMmConfig()}
 for dtype in (torch.bfloat16, torch.float16):
     for (n, k) in [(4096, 1024), (1024, 2048), (4096, 4096)]:
         w = T.make_weight((), n, k, seed=n)

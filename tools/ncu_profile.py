@@ -59,17 +59,17 @@ def drive(case: str) -> None:
     kind, *rest = case.split(":")
     if kind == "gemm":
         from benchmarks import bench_gemm as bg
-        from nvfp4_plugin.gemm import W4Config, w4_linear
+        from nvfp4_plugin.gemm import TritonWgmmaConfig, W4Config, w4_linear
 
         n, k, m = (int(v) for v in rest[:3])
         p = bg.random_packed((), n, k, seed=1)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         cfg = None
         if rest[3:] == ["ss"]:
-            cfg = W4Config(bn=256 if n % 256 == 0 else 128, bm=128 if m <= 1024 else 256, bk=64, num_warps=8,
+            cfg = TritonWgmmaConfig(bn=256 if n % 256 == 0 else 128, bm=128 if m <= 1024 else 256, bk=64, num_warps=8,
                            num_stages=3, ss=True)
         elif rest[3:]:  # gemm:N:K:M:field=value,... (W4Config fields; bools as 0/1)
-            cfg = W4Config(**{f: int(v) for f, v in (kv.split("=") for kv in rest[3].split(","))})
+            cfg = W4Config.from_json({f: int(v) for f, v in (kv.split("=") for kv in rest[3].split(","))})
         for _ in range(WARMUP + 1):
             w4_linear(x, p, config=cfg)
     elif kind == "moe":  # moe:MODEL:PROJ:TOKENS, as bench_gemm.py's grouped table (selected config)

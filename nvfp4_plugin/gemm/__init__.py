@@ -21,8 +21,9 @@ Layout and numerics: :mod:`.layout`; kernels: :mod:`.triton_w4`; configs: :mod:`
 from .api import (MODES, moe_routing, w4_dequantize, w4_fused_moe, w4_grouped, w4_linear, w4_masked,
                   warmup_sizes_fused_moe, warmup_sizes_linear)
 from .layout import HopperW4Layout, PackedW4Weight, dequantize_packed, prepack, unpack
-from .select import W4Config, select_config
+from .select import DequantMmConfig, GluonConfig, TritonMmaConfig, TritonWgmmaConfig, W4Config, select_config
 
-__all__ = ["MODES", "HopperW4Layout", "PackedW4Weight", "W4Config", "dequantize_packed", "moe_routing", "prepack",
+__all__ = ["MODES", "DequantMmConfig", "GluonConfig", "HopperW4Layout", "PackedW4Weight", "TritonMmaConfig",
+           "TritonWgmmaConfig", "W4Config", "dequantize_packed", "moe_routing", "prepack",
            "select_config", "unpack", "w4_dequantize", "w4_fused_moe", "w4_grouped", "w4_linear", "w4_masked",
            "warmup_sizes_fused_moe", "warmup_sizes_linear"]

@@ -22,7 +22,7 @@ from .._checks import check_choice, check_shape, check_tensor
 from . import triton_w4 as tk
 from .layout import PackedW4Weight
 from .moe_glue import moe_combine, moe_routing, silu_and_mul
-from .select import W4Config, _num_sms, config_fn, first_sizes, select_config
+from .select import TritonWgmmaConfig, W4Config, _num_sms, config_fn, first_sizes, select_config
 
 MODES = ("w4a16", "w4a4")
 logger = logging.getLogger("nvfp4_plugin")
@@ -51,10 +51,10 @@ def _tma_ready(x2: torch.Tensor) -> torch.Tensor:
     return x2 if _tma_ok(x2) else x2.clone(memory_format=torch.contiguous_format)
 
 
-def _without_gluon(cfg: W4Config) -> W4Config:
+def _without_gluon(cfg: W4Config) -> TritonWgmmaConfig:
     """The Triton-kernel config that stands in for a gluon one where Gluon cannot run."""
-    return dataclasses.replace(cfg, gluon=False, bn=128, num_warps=8, bm=min(cfg.bm, 128), split_k=1,
-                               num_stages=max(cfg.num_stages, 3), prefetch=2, split_tail=False)
+    return TritonWgmmaConfig(bn=128, bm=min(cfg.bm, 128), bk=cfg.bk, split_k=1, num_warps=8,
+                             num_stages=max(cfg.num_stages, 3), m_split=cfg.m_split, group_m=cfg.group_m)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,7 +284,7 @@ def w4_linear(x: torch.Tensor, weight: PackedW4Weight, bias: torch.Tensor | None
             ws = torch.empty((split, m, n_tiles * cfg.bn), dtype=torch.float32, device=x.device)
             cnt = _counters(x.device, m_tiles * n_tiles)
     if split != cfg.split_k:
-        cfg = W4Config(**{**cfg.__dict__, "split_k": split})
+        cfg = dataclasses.replace(cfg, split_k=split)
     grid = (n_tiles * m_tiles * split,)
     _launch(0, x2, weight, y, cfg, m, grid, bias=bias, ws=ws, cnt=cnt, act_scale=act_scale, act_scale_mode=act_mode,
             stride_xm=x2.stride(0), stride_ym=y.stride(0))
@@ -445,7 +445,7 @@ def w4_grouped(x: torch.Tensor, weight: PackedW4Weight, expert_offsets: torch.Te
         cfg = _without_gluon(cfg)
         ms = _m_split(cfg, rows, num_e)
     grid = (triton_cdiv(n, cfg.bn), (rows if compact else num_e) * ms)
-    cfg = W4Config(**{**cfg.__dict__, "m_split": ms, "split_k": 1})
+    cfg = dataclasses.replace(cfg, m_split=ms, split_k=1)
     _launch(1, x, weight, out, cfg, rows, grid, aux=expert_offsets, gather=gather_idx, scatter=scatter_idx,
             row_scale=row_scale, act_scale=act_scale, act_scale_mode=act_mode, stride_xm=x.stride(0),
             stride_ym=out.stride(0), compact_experts=compact)
@@ -508,7 +508,7 @@ def w4_masked(x: torch.Tensor, weight: PackedW4Weight, mask: torch.Tensor, *, ou
             return out
         cfg = _without_gluon(cfg)
         ms = _masked_m_split(cfg, max_m)
-    cfg = W4Config(**{**cfg.__dict__, "m_split": ms, "split_k": 1})
+    cfg = dataclasses.replace(cfg, m_split=ms, split_k=1)
     grid = (triton_cdiv(n, cfg.bn), num_e * ms)
     _launch(2, x, weight, out, cfg, max_m, grid, aux=mask, act_scale=act_scale, act_scale_mode=act_mode,
             stride_xm=x.stride(1), stride_xe=x.stride(0), stride_ym=out.stride(1), stride_ye=out.stride(0))

@@ -6,7 +6,7 @@ Triton's pipeliner, which on Triton 3.6 either races on the register operand or 
 workaround in ``triton_w4._mma_tile``) retires every K step's wgmma before the next decode:
 
 * x tiles arrive by TMA into a ring of ``STAGES`` shared-memory buffers (one mbarrier each);
-* the weight words and scale pairs are loaded ``PF`` (2 or 4, ``W4Config.prefetch``) K steps ahead into
+* the weight words and scale pairs are loaded ``PF`` (2 or 4, ``GluonConfig.prefetch``) K steps ahead into
   registers;
 * step k's wgmma is issued asynchronously and waited for (``warpgroup_mma_wait(1)``) right after step
   k+1's is issued, so step k+1's decode overlaps it; then the x buffer it read is refilled;
@@ -15,7 +15,7 @@ workaround in ``triton_w4._mma_tile``) retires every K step's wgmma before the n
   ``warpgroup_mma_wait`` do not ensure this for register operands: ptxas does not see them.)
   tests/test_gemm_sass.py checks the SASS for such writes.
 
-Split K (narrow N with long K has few output tiles; or, with ``W4Config.split_tail``, only the tiles past
+Split K (narrow N with long K has few output tiles; or, with ``GluonConfig.split_tail``, only the tiles past
 the last whole wave) writes fp32 partials that :func:`w4_splitk_reduce_kernel` adds in split order
 (deterministic).
 """
@@ -342,7 +342,7 @@ def launch_dense(x2: torch.Tensor, w, y: torch.Tensor, cfg, dummy: torch.Tensor,
     """``y = x2 @ dequant(w)^T * alpha (* act_scale) (+ bias)`` with :func:`w4_wgmma_kernel`.
 
     ``x2``: ``[M, K]`` rows with a 16-byte aligned base and row stride (TMA); ``cfg``: a
-    :class:`~.select.W4Config` with ``gluon=True``. Split K (of every tile, or with ``cfg.split_tail``
+    :class:`~.select.GluonConfig`. Split K (of every tile, or with ``cfg.split_tail``
     of the tiles past the last whole wave of ``sms`` tiles) writes fp32 partials to a workspace that
     :func:`w4_splitk_reduce_kernel` sums in split order (deterministic). ``dummy``: a device tensor for
     the pointer arguments a variant never reads."""

@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from . import triton_w4 as tk  # noqa: E402
-from .select import W4Config  # noqa: E402
+from .select import GluonConfig, TritonMmaConfig, TritonWgmmaConfig, W4Config  # noqa: E402
 
 _SIG = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*i16", "alpha_ptr": "*fp32", "bias_ptr": "*bf16",
         "y_ptr": "*bf16", "aux_ptr": "*i32", "gather_ptr": "*i32", "scatter_ptr": "*i32", "rowscale_ptr": "*fp32",
@@ -63,7 +63,7 @@ def compile_config(cfg: W4Config, *, mode: int = 0, fp16: bool = False, even_k: 
                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
 
-def compile_gluon(cfg: W4Config, *, fp16: bool = False, split: bool = False, mode: int = 0, m: int = 256,
+def compile_gluon(cfg: GluonConfig, *, fp16: bool = False, split: bool = False, mode: int = 0, m: int = 256,
                   k: int = 4096, arch: int = 90):
     """The Gluon kernel (:mod:`.gluon_w4`) of a ``gluon=True`` config, compiled for ``sm_{arch}a`` (``mode``
     0 dense, 1 grouped with scatter and row scale, 2 masked)."""
@@ -270,8 +270,13 @@ def main(argv=None) -> int:
     ap.add_argument("--fp16", action="store_true")
     ap.add_argument("--dump", help="write the SASS here")
     a = ap.parse_args(argv)
-    cfg = W4Config(bn=a.bn, bm=a.bm, bk=a.bk, split_k=a.split_k, num_warps=a.bn // 16 if a.gluon else a.warps,
-                   num_stages=a.stages, v2=a.v2, ss=a.ss, gluon=a.gluon, prefetch=a.prefetch)
+    common = dict(bn=a.bn, bm=a.bm, bk=a.bk, split_k=a.split_k, num_stages=a.stages)
+    if a.gluon:
+        cfg = GluonConfig(**common, num_warps=a.bn // 16, prefetch=a.prefetch)
+    elif a.v2:
+        cfg = TritonMmaConfig(**common, num_warps=a.warps)
+    else:
+        cfg = TritonWgmmaConfig(**common, num_warps=a.warps, ss=a.ss)
     if a.gluon:
         ck = compile_gluon(cfg, fp16=a.fp16, split=a.split_k > 1, mode=a.mode)
     else:

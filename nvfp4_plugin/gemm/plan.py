@@ -13,7 +13,7 @@ import torch
 
 from . import api
 from .layout import HopperW4Layout
-from .select import W4Config, _select, merge_runs, size_ranges
+from .select import DequantMmConfig, _select, merge_runs, size_ranges
 
 
 def _gluon_mod():
@@ -55,13 +55,8 @@ def family(variant: tuple) -> str:
         return f"up {family(variant[0])}, down {family(variant[1])}"
     kind = variant[0]
     if kind == "dequant_mm":
-        return "dequantize + cuBLAS"
-    cfg = variant[1]
-    if kind in ("gluon", "grouped-gluon"):
-        name = "gluon wgmma"
-    else:
-        name = "triton mma.sync" if cfg.v2 else ("triton wgmma (smem operands)" if cfg.ss else "triton wgmma")
-    return name + (" split-K" if kind in ("gluon", "triton") and variant[2] else "")
+        return DequantMmConfig.LABEL
+    return variant[1].label + (" split-K" if kind in ("gluon", "triton") and variant[2] else "")
 
 
 def families(ranges: list[tuple[int, int, tuple]]) -> list[tuple[int, int, str]]:

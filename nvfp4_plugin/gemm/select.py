@@ -23,6 +23,7 @@ import functools
 import json
 import logging
 from dataclasses import asdict, dataclass, fields, replace
+from typing import ClassVar
 from pathlib import Path
 
 import torch
@@ -39,22 +40,16 @@ KINDS = ("dense", "grouped", "masked")
 
 @dataclass(frozen=True)
 class W4Config:
-    """One launch configuration of :func:`~.triton_w4.w4_gemm_kernel`.
+    """Launch configuration of the Hopper FP4-weight GEMMs; one subclass per kernel family
+    (:class:`TritonMmaConfig`, :class:`TritonWgmmaConfig`, :class:`GluonConfig`,
+    :class:`DequantMmConfig`), each validating its own fields. The launch code reads the family
+    from the class switches ``v2`` / ``gluon`` / ``dequant_mm`` / ``ss``.
 
-    bn: weight rows per program (32 (mma.sync, 2 warps), 64 or 128; 256 with ss where the padded N is a
-    multiple of 256), bm: token rows per program
-    (8 needs ``v2``), bk: K per pipeline stage (64, 128 or 256), split_k: programs sharing one output
-    tile along K (dense only), m_split: programs per (expert, N tile) in grouped/masked modes
-    (0: heuristic), group_m: M tiles per raster group (dense, L2 reuse of the weight tiles),
-    v2: mma.sync instead of wgmma, ss: wgmma with both operands in shared memory (tokens as its M
-    side, the decoded weight tile stored to shared memory; bm >= 64), dequant_mm: dense only,
-    dequantize the weight and call torch.mm (cuBLAS) instead (large M), gluon: the explicitly
-    pipelined kernel of :mod:`.gluon_w4` (bn 64 or 128 with bn/16 warps, bm 64-256, x by TMA in
-    ``num_stages`` buffers; dense, grouped without a gather index, masked; compiled GPUs only, otherwise
-    the Triton kernel runs instead), prefetch: how many K steps ahead the gluon kernel loads the weight
-    words and scales into registers (2 or 4), split_tail: dense gluon with split_k > 1 only: compute the
-    whole waves of tiles (one per SM) over all of K and split only the tiles left over, so that every SM
-    gets about the same work where the tile count is not a multiple of the SM count.
+    Shared fields: bn weight rows per program, bm token rows per program, bk K per pipeline stage (64, 128
+    or 256), split_k programs sharing one output tile along K (dense only), num_warps, num_stages
+    (pipeline depth), m_split programs per (expert, N tile) in grouped/masked modes (0: heuristic),
+    group_m M tiles per raster group (dense, L2 reuse of the weight tiles). The defaults are the same in
+    every family (the tuned JSON tables store only the fields that differ from them).
     """
 
     bn: int = 64
@@ -63,66 +58,165 @@ class W4Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    v2: bool = False
     m_split: int = 0
     group_m: int = 8
-    dequant_mm: bool = False
-    ss: bool = False
-    gluon: bool = False
-    prefetch: int = 2
-    split_tail: bool = False
+
+    #: the family's name in the JSON tables, and how logs and ``info`` name it
+    FAMILY: ClassVar[str] = ""
+    LABEL: ClassVar[str] = ""
+    v2: ClassVar[bool] = False          # the Triton kernel on mma.sync
+    gluon: ClassVar[bool] = False       # the Gluon kernel
+    dequant_mm: ClassVar[bool] = False  # dequantize + torch.mm (cuBLAS)
+    ss: ClassVar[bool] = False          # wgmma with both operands in shared memory (TritonWgmmaConfig field)
+    prefetch: ClassVar[int] = 2         # GluonConfig field
+    split_tail: ClassVar[bool] = False  # GluonConfig field
 
     def __post_init__(self):
-        if self.bn not in (32, 64, 128) and not (self.ss and self.bn == 256):
-            raise ValueError(f"W4Config.bn: expected 32, 64 or 128 (256 with ss), got {self.bn}")
+        if type(self) is W4Config:
+            raise TypeError("W4Config is the base of the kernel families: construct a TritonMmaConfig, "
+                            "TritonWgmmaConfig, GluonConfig or DequantMmConfig")
+        name = type(self).__name__
         if self.bk not in (64, 128, 256):
-            raise ValueError(f"W4Config.bk: expected 64, 128 or 256, got {self.bk}")
+            raise ValueError(f"{name}.bk: expected 64, 128 or 256, got {self.bk}")
         if self.bm not in (8, 16, 32, 64, 128, 256):
-            raise ValueError(f"W4Config.bm: expected one of 8..256 (powers of two), got {self.bm}")
-        if self.bm == 8 and not self.v2:
-            raise ValueError("W4Config: bm=8 runs on mma.sync, set v2=True")
-        if self.num_warps not in (2, 4, 8):
-            raise ValueError(f"W4Config.num_warps: expected 2, 4 or 8, got {self.num_warps}")
-        if not self.v2 and (self.num_warps < 4 or self.bn < 64):
-            raise ValueError("W4Config: wgmma (v2=False) needs bn >= 64 and num_warps >= 4 (a warpgroup)")
-        if self.bn < 16 * self.num_warps:
-            raise ValueError(f"W4Config: bn={self.bn} is fewer rows than num_warps={self.num_warps} warps x 16")
-        if self.ss and (self.v2 or self.bm < 64):
-            raise ValueError(f"W4Config: ss (shared-memory wgmma, tokens as M) needs v2=False and bm >= 64, got "
-                             f"v2={self.v2}, bm={self.bm}")
-        if self.gluon:
-            if self.v2 or self.ss or self.dequant_mm:
-                raise ValueError("W4Config: gluon excludes v2, ss and dequant_mm")
-            if self.bn not in (64, 128) or self.num_warps != self.bn // 16:
-                raise ValueError(f"W4Config: gluon needs bn 64 or 128 with bn/16 warps, got bn={self.bn}, "
-                                 f"num_warps={self.num_warps}")
-            if self.bm < 64 or self.bk > 128 or self.num_stages < 2:
-                raise ValueError(f"W4Config: gluon needs bm >= 64, bk <= 128, num_stages >= 2, got bm={self.bm}, "
-                                 f"bk={self.bk}, num_stages={self.num_stages}")
-            if self.prefetch not in (2, 4):
-                raise ValueError(f"W4Config.prefetch: expected 2 or 4 (K steps), got {self.prefetch}")
-            if self.num_stages * self.bm * self.bk * 2 > 160 * 1024:
-                raise ValueError(f"W4Config: gluon x ring of {self.num_stages} x {self.bm} x {self.bk} does not fit "
-                                 "in shared memory (160 KB)")
-            if self.split_tail and self.split_k < 2:
-                raise ValueError(f"W4Config.split_tail: splits the last wave's tiles along K, needs split_k >= 2, "
-                                 f"got split_k={self.split_k}")
-        elif self.prefetch != 2 or self.split_tail:
-            raise ValueError(f"W4Config: prefetch and split_tail are gluon options (got prefetch={self.prefetch}, "
-                             f"split_tail={self.split_tail} without gluon)")
+            raise ValueError(f"{name}.bm: expected one of 8..256 (powers of two), got {self.bm}")
         if self.split_k < 1 or self.num_stages < 1 or self.m_split < 0 or self.group_m < 1:
-            raise ValueError(f"W4Config: invalid {self}")
+            raise ValueError(f"{name}: invalid {self}")
+        self._check()
+
+    @property
+    def label(self) -> str:
+        return self.LABEL
+
+    def _check(self) -> None:
+        """The family's own constraints."""
+
+    def _check_warps(self) -> None:
+        name = type(self).__name__
+        if self.num_warps not in (2, 4, 8):
+            raise ValueError(f"{name}.num_warps: expected 2, 4 or 8, got {self.num_warps}")
+        if self.bn < 16 * self.num_warps:
+            raise ValueError(f"{name}: bn={self.bn} is fewer rows than num_warps={self.num_warps} warps x 16")
 
     def to_json(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v != getattr(W4Config, k)}
+        base = {f.name: f.default for f in fields(W4Config)}
+        return {"family": self.FAMILY, **{k: v for k, v in asdict(self).items() if v != base.get(k, _NO_DEFAULT)
+                                          and v != _FAMILY_DEFAULTS.get(k)}}
 
     @classmethod
     def from_json(cls, d: dict) -> W4Config:
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
+        """A table entry: ``{"family": ..., fields}``; entries without a family (tables written before the
+        families were split) name it by the flags ``v2`` / ``gluon`` / ``dequant_mm`` (else Triton wgmma)."""
+        d = dict(d)
+        family = d.pop("family", None)
+        legacy = {k: d.pop(k) for k in ("v2", "gluon", "dequant_mm") if k in d}
+        if sum(bool(v) for v in legacy.values()) > 1:
+            raise ValueError(f"W4Config: at most one of v2 / gluon / dequant_mm, got {legacy}")
+        if family is None:
+            family = ("gluon" if legacy.get("gluon") else "triton-mma" if legacy.get("v2")
+                      else "dequant-mm" if legacy.get("dequant_mm") else "triton-wgmma")
+        elif any(legacy.values()):
+            raise ValueError(f"W4Config: {sorted(k for k, v in legacy.items() if v)} with family {family!r}")
+        if family not in FAMILIES:
+            raise ValueError(f"W4Config: unknown family {family!r}, expected one of {sorted(FAMILIES)}")
+        kind = FAMILIES[family]
+        unknown = set(d) - {f.name for f in fields(kind)}
         if unknown:
-            raise ValueError(f"W4Config: unknown keys {sorted(unknown)}")
-        return cls(**d)
+            raise ValueError(f"{kind.__name__}: unknown keys {sorted(unknown)}")
+        return kind(**d)
+
+
+_NO_DEFAULT = object()
+#: defaults of the family-only fields (left out of the JSON like the shared ones)
+_FAMILY_DEFAULTS = {"ss": False, "prefetch": 2, "split_tail": False}
+
+
+@dataclass(frozen=True)
+class TritonMmaConfig(W4Config):
+    """:func:`~.triton_w4.w4_gemm_kernel` on mma.sync (``V2``): decode tiles, bm 8-256, bn 32 (2 warps), 64
+    or 128, 2-8 warps."""
+
+    FAMILY: ClassVar[str] = "triton-mma"
+    LABEL: ClassVar[str] = "triton mma.sync"
+    v2: ClassVar[bool] = True
+
+    def _check(self) -> None:
+        if self.bn not in (32, 64, 128):
+            raise ValueError(f"TritonMmaConfig.bn: expected 32, 64 or 128, got {self.bn}")
+        self._check_warps()
+
+
+@dataclass(frozen=True)
+class TritonWgmmaConfig(W4Config):
+    """:func:`~.triton_w4.w4_gemm_kernel` on wgmma: bn 64 or 128 (256 with ``ss``), bm 16-256, one or two
+    warpgroups. ``ss``: both operands in shared memory (tokens as wgmma's M side, the decoded weight tile
+    stored to shared memory; bm >= 64)."""
+
+    ss: bool = False
+
+    FAMILY: ClassVar[str] = "triton-wgmma"
+    LABEL: ClassVar[str] = "triton wgmma"
+
+    @property
+    def label(self) -> str:
+        return "triton wgmma (smem operands)" if self.ss else self.LABEL
+
+    def _check(self) -> None:
+        if self.bn not in (64, 128) and not (self.ss and self.bn == 256):
+            raise ValueError(f"TritonWgmmaConfig.bn: expected 64 or 128 (256 with ss), got {self.bn}")
+        if self.bm < 16:
+            raise ValueError(f"TritonWgmmaConfig.bm: wgmma needs bm >= 16 (bm=8 runs on mma.sync: TritonMmaConfig), "
+                             f"got {self.bm}")
+        if self.num_warps not in (4, 8):
+            raise ValueError(f"TritonWgmmaConfig.num_warps: a warpgroup or two (4 or 8), got {self.num_warps}")
+        self._check_warps()
+        if self.ss and self.bm < 64:
+            raise ValueError(f"TritonWgmmaConfig: ss (shared-memory wgmma, tokens as M) needs bm >= 64, got "
+                             f"bm={self.bm}")
+
+
+@dataclass(frozen=True)
+class GluonConfig(W4Config):
+    """The explicitly pipelined kernel of :mod:`.gluon_w4`: bn 64 or 128 with bn/16 warps, bm 64-256, bk
+    64 or 128, x by TMA in ``num_stages`` buffers (dense, grouped without a gather index, masked;
+    compiled GPUs only, otherwise the Triton kernel runs instead). ``prefetch``: K steps ahead the weight
+    words and scales are loaded into registers (2 or 4); ``split_tail``: dense with split_k > 1 only,
+    compute the whole waves of tiles (one per SM) over all of K and split only the tiles left over."""
+
+    prefetch: int = 2
+    split_tail: bool = False
+
+    FAMILY: ClassVar[str] = "gluon"
+    LABEL: ClassVar[str] = "gluon wgmma"
+    gluon: ClassVar[bool] = True
+
+    def _check(self) -> None:
+        if self.bn not in (64, 128) or self.num_warps != self.bn // 16:
+            raise ValueError(f"GluonConfig: needs bn 64 or 128 with bn/16 warps, got bn={self.bn}, "
+                             f"num_warps={self.num_warps}")
+        if self.bm < 64 or self.bk > 128 or self.num_stages < 2:
+            raise ValueError(f"GluonConfig: needs bm >= 64, bk <= 128, num_stages >= 2, got bm={self.bm}, "
+                             f"bk={self.bk}, num_stages={self.num_stages}")
+        if self.prefetch not in (2, 4):
+            raise ValueError(f"GluonConfig.prefetch: expected 2 or 4 (K steps), got {self.prefetch}")
+        if self.num_stages * self.bm * self.bk * 2 > 160 * 1024:
+            raise ValueError(f"GluonConfig: x ring of {self.num_stages} x {self.bm} x {self.bk} does not fit "
+                             "in shared memory (160 KB)")
+        if self.split_tail and self.split_k < 2:
+            raise ValueError(f"GluonConfig.split_tail: splits the last wave's tiles along K, needs split_k >= 2, "
+                             f"got split_k={self.split_k}")
+
+
+@dataclass(frozen=True)
+class DequantMmConfig(W4Config):
+    """Dense only, large M: dequantize the weight and call ``torch.mm`` (cuBLAS); the tile fields are unused."""
+
+    FAMILY: ClassVar[str] = "dequant-mm"
+    LABEL: ClassVar[str] = "dequantize + cuBLAS"
+    dequant_mm: ClassVar[bool] = True
+
+
+FAMILIES = {c.FAMILY: c for c in (TritonMmaConfig, TritonWgmmaConfig, GluonConfig, DequantMmConfig)}
 
 
 DENSE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -214,9 +308,9 @@ def gluon_stages(bm: int, bk: int) -> int:
     return {(64, 64): 4, (64, 128): 4, (128, 64): 4, (256, 64): 3, (128, 128): 3, (256, 128): 2}[(bm, bk)]
 
 
-def gluon_config(bn: int, bm: int, bk: int, **kw) -> W4Config:
+def gluon_config(bn: int, bm: int, bk: int, **kw) -> GluonConfig:
     """A Gluon config with the warps (one warp per 16 weight rows) and x buffers (gluon_stages) its tile takes."""
-    return W4Config(bn=bn, bm=bm, bk=bk, num_warps=bn // 16, num_stages=gluon_stages(bm, bk), gluon=True, **kw)
+    return GluonConfig(bn=bn, bm=bm, bk=bk, num_warps=bn // 16, num_stages=gluon_stages(bm, bk), **kw)
 
 
 def gluon_heuristic(m: int, n: int, k: int, sms: int = 132) -> W4Config:
@@ -241,7 +335,7 @@ def heuristic(kind: str, m: int, n: int, k: int, e: int = 1, sms: int = 132) -> 
     bytes. Many rows is a tensor-core problem: 64-128-token wgmma tiles, 2 warpgroups.
     """
     if kind == "dense" and m >= DEQUANT_MM_MIN_M:
-        return W4Config(dequant_mm=True)
+        return DequantMmConfig()
     if kind == "dense" and m > GLUON_MIN_M:
         return gluon_heuristic(m, n, k, sms)
     bk = 256 if k % 256 == 0 else (128 if k % 128 == 0 else 64)
@@ -254,15 +348,15 @@ def heuristic(kind: str, m: int, n: int, k: int, e: int = 1, sms: int = 132) -> 
     if kind != "dense" and rows >= GLUON_MIN_EXPERT_ROWS:
         return gluon_config(64, 128, 64)
     if rows <= 8:
-        cfg = W4Config(bn=64, bm=8, bk=bk, v2=True, num_warps=4, num_stages=4 if bk == 256 else 5)
+        cfg = TritonMmaConfig(bn=64, bm=8, bk=bk, num_warps=4, num_stages=4 if bk == 256 else 5)
     elif rows <= 16:
-        cfg = W4Config(bn=64, bm=16, bk=bk, num_warps=4, num_stages=3)
+        cfg = TritonWgmmaConfig(bn=64, bm=16, bk=bk, num_warps=4, num_stages=3)
     elif rows <= 32:
-        cfg = W4Config(bn=64, bm=32, bk=min(bk, 128), num_warps=4, num_stages=4)
+        cfg = TritonWgmmaConfig(bn=64, bm=32, bk=min(bk, 128), num_warps=4, num_stages=4)
     elif rows <= 64:
-        cfg = W4Config(bn=128, bm=64, bk=min(bk, 128), num_warps=8, num_stages=3)
+        cfg = TritonWgmmaConfig(bn=128, bm=64, bk=min(bk, 128), num_warps=8, num_stages=3)
     else:
-        cfg = W4Config(bn=128, bm=128, bk=64, num_warps=8, num_stages=4)
+        cfg = TritonWgmmaConfig(bn=128, bm=128, bk=64, num_warps=8, num_stages=4)
     n_tiles = -(-n // cfg.bn)
     if kind == "dense":
         if m <= 64:
