@@ -44,6 +44,7 @@ LINEAR_BACKEND = "NVFP4_PLUGIN_LINEAR_BACKEND"
 MOE_BACKEND = "NVFP4_PLUGIN_MOE_BACKEND"
 ACT_MODE = "NVFP4_PLUGIN_ACT_MODE"
 FLASHINFER_MM_BACKEND = "NVFP4_PLUGIN_FLASHINFER_MM_BACKEND"
+FLASHINFER_W4A16_BACKEND = "NVFP4_PLUGIN_FLASHINFER_W4A16_BACKEND"
 LOG_LEVEL = "NVFP4_PLUGIN_LOG_LEVEL"
 GEMM_CONFIG_DIR = "NVFP4_PLUGIN_GEMM_CONFIG_DIR"
 GEMM_COMPILE_ONLY = "NVFP4_PLUGIN_GEMM_COMPILE_ONLY"
@@ -56,8 +57,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "forces one backend for every op (debugging, A/B comparisons); an op whose forced backend cannot run "
            "on the device fails with the reasons. Read at every backend selection (ops._registry.select); the "
            "public ops select once per (op, device) and process"),
-    EnvVar(LINEAR_BACKEND, "a linear backend name of nvfp4_plugin.layers (e.g. hopper_triton, flashinfer_fp4, "
-           "reference)", "the first backend that supports the GPU and shape", "plugin",
+    EnvVar(LINEAR_BACKEND, "a linear backend name of nvfp4_plugin.layers (hopper_triton, flashinfer_fp4, "
+           "flashinfer_w4a16, reference)", "the first backend that supports the GPU and shape", "plugin",
            "forces the GEMM backend of the linear layers; read each time a layer chooses its backend (at "
            "construction) and by `nvfp4-plugin info --capability`"),
     EnvVar(MOE_BACKEND, "a fused-MoE backend name of nvfp4_plugin.layers", "the first backend that supports the "
@@ -69,6 +70,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar(FLASHINFER_MM_BACKEND, "cutlass or cudnn", "cutlass", "plugin",
            "the backend of FlashInfer's mm_fp4 in the Blackwell linear backend flashinfer_fp4; read when a "
            "layer's weights are prepared and when its kernel families are described"),
+    EnvVar(FLASHINFER_W4A16_BACKEND, "cute-dsl or cudnn", "cute-dsl", "plugin",
+           "the backend of FlashInfer's mm_bf16_fp4 in the Blackwell weight-only linear backend flashinfer_w4a16 "
+           "(cute-dsl needs nvidia-cutlass-dsl, cudnn a cuDNN backend >= 9.23.1); read when a layer's weights are "
+           "prepared and when its kernel families are described"),
     EnvVar(LOG_LEVEL, "a logging level name (DEBUG, INFO, WARNING, ...; any case)", "INFO", "plugin",
            "level of the plugin's log lines inside engine processes; read when an engine adapter sets up "
            "logging (once per process)"),
@@ -134,6 +139,11 @@ def act_mode(default: str) -> str:
 def flashinfer_mm_backend() -> str:
     """``NVFP4_PLUGIN_FLASHINFER_MM_BACKEND`` as given (the caller checks it), or ``"cutlass"``."""
     return _read(FLASHINFER_MM_BACKEND, "cutlass")
+
+
+def flashinfer_w4a16_backend() -> str:
+    """``NVFP4_PLUGIN_FLASHINFER_W4A16_BACKEND`` as given (the caller checks it), or ``"cute-dsl"``."""
+    return _read(FLASHINFER_W4A16_BACKEND, "cute-dsl")
 
 
 def log_level() -> str:

@@ -22,6 +22,7 @@ class _FlashInfer:
 @pytest.fixture
 def flashinfer(monkeypatch):
     monkeypatch.setattr(fb, "flashinfer_module", lambda: _FlashInfer)
+    monkeypatch.setattr(fb, "flashinfer_w4a16_module", lambda: None)   # W4A16: tests/test_flashinfer_w4a16_backend.py
     monkeypatch.delenv(fb.ENV_MM_BACKEND, raising=False)
     monkeypatch.delenv(base.ENV_LINEAR_BACKEND, raising=False)
     emu.calls.clear()

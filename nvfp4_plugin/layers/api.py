@@ -13,7 +13,7 @@ import torch
 
 from ..weights import Nvfp4Weight
 from . import registry
-from .backends.flashinfer_fp4 import FlashInferLinear
+from .backends.flashinfer_fp4 import FlashInferLinear, FlashInferW4A16Linear
 from .backends.flashinfer_moe import FlashInferCutlassMoe
 from .backends.hopper import HopperLinear, HopperMoe
 from .backends.reference import ReferenceLinear, ReferenceMoe
@@ -23,7 +23,7 @@ from .base import (ENV_LINEAR_BACKEND, ENV_MOE_BACKEND, Backend, LinearSpec, Moe
 logger = logging.getLogger("nvfp4_plugin")
 
 #: Priority order, fastest first; the reference is always last.
-LINEAR_BACKENDS: list[type[Backend]] = [HopperLinear, FlashInferLinear, ReferenceLinear]
+LINEAR_BACKENDS: list[type[Backend]] = [HopperLinear, FlashInferLinear, FlashInferW4A16Linear, ReferenceLinear]
 MOE_BACKENDS: list[type[Backend]] = [HopperMoe, FlashInferCutlassMoe, ReferenceMoe]
 
 #: Layer shapes whose kernels :meth:`_Layer._warm` already compiled in this process.

@@ -1,6 +1,6 @@
-"""Our Blackwell linear backend's calls against the installed flashinfer-python (the version vLLM 0.26.0's
-bundle carries): the signature of mm_fp4, and FlashInfer's own argument checks run on exactly what our
-backend hands over. CPU only (FlashInfer's Python API imports without a GPU)."""
+"""Our Blackwell linear backends' calls against the installed flashinfer-python (the version vLLM 0.26.0's
+bundle carries): the signatures of mm_fp4, prepare_bf16_fp4_weights and mm_bf16_fp4, and FlashInfer's own
+argument checks run on exactly what our backends hand over. CPU only (FlashInfer's Python API imports without a GPU)."""
 
 import inspect
 import typing
@@ -60,6 +60,60 @@ def test_flashinfer_accepts_what_our_backend_hands_over(monkeypatch, dtype):
     with pytest.raises(ValueError):
         gemm_base._check_mm_fp4_problem_size(c["a"], c["b"], c["a_descale"], c["b_descale"],
                                              c["alpha"].double(), c["out_dtype"])
+
+
+# --- the Blackwell weight-only linear backend (flashinfer_w4a16) against prepare_bf16_fp4_weights / mm_bf16_fp4 ---
+
+from ..emulators import flashinfer_bf16_fp4 as w16_emu  # noqa: E402
+
+
+def test_bf16_fp4_signatures_take_our_calls():
+    for fn, emulated in ((flashinfer.prepare_bf16_fp4_weights, w16_emu.prepare_bf16_fp4_weights),
+                         (flashinfer.mm_bf16_fp4, w16_emu.mm_bf16_fp4)):
+        sig = inspect.signature(fn)
+        # we pass the tensors positionally, backend= (and out_dtype=) by name
+        assert sig.parameters["backend"].kind == inspect.Parameter.KEYWORD_ONLY
+        assert set(fb.W4A16_BACKENDS) <= set(typing.get_args(sig.parameters["backend"].annotation))
+        assert list(inspect.signature(emulated).parameters) == list(sig.parameters)
+    assert list(inspect.signature(flashinfer.prepare_bf16_fp4_weights).parameters)[:3] == ["b", "b_descale", "alpha"]
+    assert list(inspect.signature(flashinfer.mm_bf16_fp4).parameters)[:4] == ["a", "b", "b_descale", "alpha"]
+
+
+def test_flashinfer_w4a16_accepts_what_our_backend_hands_over(monkeypatch):
+    """FlashInfer's own prepare_bf16_fp4_weights checks run on our load-time tensors (its cuDNN packing stubbed:
+    it needs cuDNN), and its mm_bf16_fp4 problem-size check on our forward's arguments."""
+    from flashinfer.gemm import gemm_bf16_fp4, gemm_bf16_fp4_cudnn
+
+    handed = []
+
+    def packing(b, b_descale, alpha, block_size):
+        handed.append((b, b_descale, alpha))
+        return w16_emu.prepare_bf16_fp4_weights(b, b_descale, alpha, backend="cudnn")
+
+    monkeypatch.setattr(gemm_bf16_fp4_cudnn, "_prepare_cudnn", packing)
+
+    class Fi:
+        prepare_bf16_fp4_weights = staticmethod(flashinfer.prepare_bf16_fp4_weights)
+        mm_bf16_fp4 = staticmethod(w16_emu.mm_bf16_fp4)
+        mm_fp4 = staticmethod(emu.mm_fp4)
+
+    monkeypatch.setattr(fb, "flashinfer_module", lambda: Fi)
+    monkeypatch.setenv(fb.ENV_W4A16_BACKEND, "cudnn")
+    n, k, m = 200, 512, 7
+    w = torch.randn(n, k) * 0.02
+    gs = nx.tensor_global_scale(w)
+    p, s = reference.scaled_fp4_quant(w.bfloat16(), gs.reshape(1), swizzle=False)
+    weight = Nvfp4Weight(p, s, gs.reshape(1).expand(n).float().contiguous())
+    be = fb.FlashInferW4A16Linear()
+    w16_emu.calls.clear()
+    t, meta = be.prepare(LinearSpec(n, k, torch.bfloat16, "w4a16", torch.device("cpu")), weight, None)
+    assert len(handed) == 1 and torch.equal(handed[0][0], p)
+    be.apply(t, meta, torch.randn(m, k).bfloat16())
+    c = [c for c in w16_emu.calls if c["fn"] == "mm"][-1]
+    assert gemm_bf16_fp4._check_mm_bf16_fp4_problem_size(c["a"], c["b"], t["sf0"], c["alpha"], backend="cudnn",
+                                                         out_dtype=c["out_dtype"])
+    with pytest.raises(TypeError):       # and FlashInfer refuses fp16 activations, as the backend's selection does
+        gemm_bf16_fp4._check_mm_bf16_fp4_problem_size(c["a"].half(), c["b"], t["sf0"], c["alpha"], backend="cudnn")
 
 
 # --- the Blackwell fused-MoE backend (flashinfer_cutlass_moe) against flashinfer.fused_moe.cutlass_fused_moe ---

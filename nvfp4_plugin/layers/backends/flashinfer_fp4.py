@@ -16,8 +16,15 @@ Weights are converted once at load time. Our weights carry one encode global sca
 the same scale is its own GEMM with its own alpha (exact; one GEMM for the usual checkpoint whose
 fused shards share their scale, as ModelOpt exports and ``nvfp4-plugin quantize`` writes by default).
 
-Not run on a Blackwell GPU here: tests/test_flashinfer_backend.py checks it on the CPU against an
-emulator of that contract, and the bytes handed over against our reference quantizer.
+Weight-only checkpoints (W4A16) take :class:`FlashInferW4A16Linear` instead: bf16 activations straight into
+FlashInfer's BF16 x FP4 GEMM ``flashinfer.mm_bf16_fp4`` (``flashinfer/gemm/gemm_bf16_fp4.py``), whose weights
+``prepare_bf16_fp4_weights`` converts once at load from the same canonical form (codes ``[N, K/2]`` uint8,
+128x4-swizzled E4M3 scales, ``alpha`` (1,) fp32 = the weight's decode scale) into its backend's layout
+(``cute-dsl`` by default, ``cudnn`` by ``NVFP4_PLUGIN_FLASHINFER_W4A16_BACKEND``); one GEMM per run of rows with
+one global scale, as above. Its activations must be bf16 (FlashInfer: "fp16 support is not implemented yet").
+
+Not run on a Blackwell GPU here: tests/test_flashinfer_backend.py checks both on the CPU against emulators of
+those contracts, and the bytes handed over against our reference quantizer.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from ..base import Backend
 
 ENV_MM_BACKEND = envs.FLASHINFER_MM_BACKEND
 MM_BACKENDS = ("cutlass", "cudnn")
+ENV_W4A16_BACKEND = envs.FLASHINFER_W4A16_BACKEND
+W4A16_BACKENDS = ("cute-dsl", "cudnn")
 
 
 def flashinfer_module():
@@ -40,6 +49,19 @@ def flashinfer_module():
     except Exception:  # noqa: BLE001 - any import failure means "not available"
         return None
     return flashinfer if hasattr(flashinfer, "mm_fp4") else None
+
+
+def flashinfer_w4a16_module():
+    """``flashinfer`` if importable with ``mm_bf16_fp4`` and ``prepare_bf16_fp4_weights``, else None."""
+    fi = flashinfer_module()
+    return fi if fi is not None and all(hasattr(fi, f) for f in ("mm_bf16_fp4", "prepare_bf16_fp4_weights")) else None
+
+
+def w4a16_backend() -> str:
+    be = envs.flashinfer_w4a16_backend()
+    if be not in W4A16_BACKENDS:
+        raise ValueError(f"{ENV_W4A16_BACKEND}={be!r}: expected one of {W4A16_BACKENDS}")
+    return be
 
 
 def mm_backend() -> str:
@@ -132,6 +154,75 @@ class FlashInferLinear(FlashInferBackend):
         x2 = x.reshape(-1, k)
         q, s = ops.scaled_fp4_quant(x2, t["input_global_scale"], swizzle=True)
         outs = [fi.mm_fp4(q, t[f"w{i}"].T, s, t[f"sf{i}"].T, t[f"alpha{i}"], x.dtype, backend=be)
+                for i in range(len(runs))]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], n)
+
+
+class FlashInferW4A16Linear(FlashInferBackend):
+    """Weight-only checkpoints on Blackwell: ``mm_bf16_fp4`` on weights prepared at load (module docstring)."""
+
+    name = "flashinfer_w4a16"
+    family = "flashinfer mm_bf16_fp4"
+    entry_point = "mm_bf16_fp4"
+
+    @staticmethod
+    def _module():
+        return flashinfer_w4a16_module()
+
+    @classmethod
+    def unsupported_reason(cls, device, capability=None):
+        reason = super().unsupported_reason(device, capability)
+        if reason is None and w4a16_backend() == "cute-dsl":
+            import importlib.util
+
+            if importlib.util.find_spec("cutlass") is None:
+                reason = (f"mm_bf16_fp4's cute-dsl backend needs nvidia-cutlass-dsl (pip install nvidia-cutlass-dsl), "
+                          f"or set {ENV_W4A16_BACKEND}=cudnn")
+        return reason
+
+    @classmethod
+    def cannot_implement(cls, spec):
+        if spec.mode != "w4a16":
+            return "a checkpoint with activation scales (W4A4): flashinfer_fp4 serves it"
+        if spec.act_dtype != torch.bfloat16:
+            return f"mm_bf16_fp4 takes bf16 activations only (FlashInfer has no fp16 path yet), got {spec.act_dtype}"
+        if spec.k % 32 or spec.n % 8:
+            return (f"mm_bf16_fp4 is given 16-byte weight rows: needs K % 32 == 0 and N % 8 == 0, got N={spec.n} "
+                    f"K={spec.k}")
+        return None
+
+    @classmethod
+    def families(cls, spec, max_tokens, **kw):
+        return [(1, max_tokens, f"{cls.family} ({w4a16_backend()})")]
+
+    def prepare(self, spec, weight: Nvfp4Weight, input_global_scale):
+        fi = flashinfer_w4a16_module()
+        be = w4a16_backend()
+        t = {}
+        runs = row_runs(weight.global_scale)
+        has_alpha = []
+        for i, (a, b) in enumerate(runs):
+            alpha = (1.0 / weight.global_scale[a].float()).reshape(1).contiguous()        # the decode scale
+            w, sf, al = fi.prepare_bf16_fp4_weights(weight.packed[a:b].contiguous(),
+                                                    nx.swizzle_blockscale(weight.block_scale[a:b].contiguous()),
+                                                    alpha, backend=be)
+            t[f"w{i}"], t[f"sf{i}"] = w, sf
+            if al is not None:
+                t[f"alpha{i}"] = al
+            has_alpha.append(al is not None)
+        return t, (tuple(runs), tuple(has_alpha), spec.n, spec.k, be)
+
+    def apply(self, t, meta, x, bias=None):
+        runs, has_alpha, n, k, be = meta
+        fi = flashinfer_w4a16_module()
+        x2 = x.reshape(-1, k)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        outs = [fi.mm_bf16_fp4(x2, t[f"w{i}"], t[f"sf{i}"], t[f"alpha{i}"] if has_alpha[i] else None, backend=be,
+                               out_dtype=x.dtype)
                 for i in range(len(runs))]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if bias is not None:
