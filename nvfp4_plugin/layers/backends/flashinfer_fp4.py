@@ -82,6 +82,13 @@ def row_runs(global_scale: torch.Tensor) -> list[tuple[int, int]]:
     return runs
 
 
+def _row_bytes_reason(entry_point: str, spec) -> str | None:
+    """The FlashInfer FP4 GEMMs read 16-byte rows of FP4 codes."""
+    if spec.k % 32 or spec.n % 8:
+        return f"{entry_point} needs K % 32 == 0 and N % 8 == 0 (16-byte rows), got N={spec.n} K={spec.k}"
+    return None
+
+
 class FlashInferBackend(Backend):
     """What the FlashInfer-backed Blackwell backends share: the GPUs FlashInfer ships these kernels for, the
     package importable with the entry point the backend calls, NVFP4 activations (W4A4) from bf16 / fp16."""
@@ -128,9 +135,7 @@ class FlashInferLinear(FlashInferBackend):
 
     @classmethod
     def _shape_reason(cls, spec):
-        if spec.k % 32 or spec.n % 8:
-            return f"mm_fp4 needs K % 32 == 0 and N % 8 == 0 (16-byte rows), got N={spec.n} K={spec.k}"
-        return None
+        return _row_bytes_reason(cls.entry_point, spec)
 
     @classmethod
     def families(cls, spec, max_tokens, **kw):
@@ -189,10 +194,7 @@ class FlashInferW4A16Linear(FlashInferBackend):
             return "a checkpoint with activation scales (W4A4): flashinfer_fp4 serves it"
         if spec.act_dtype != torch.bfloat16:
             return f"mm_bf16_fp4 takes bf16 activations only (FlashInfer has no fp16 path yet), got {spec.act_dtype}"
-        if spec.k % 32 or spec.n % 8:
-            return (f"mm_bf16_fp4 is given 16-byte weight rows: needs K % 32 == 0 and N % 8 == 0, got N={spec.n} "
-                    f"K={spec.k}")
-        return None
+        return _row_bytes_reason(cls.entry_point, spec)
 
     @classmethod
     def families(cls, spec, max_tokens, **kw):
