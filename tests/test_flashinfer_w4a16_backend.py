@@ -24,25 +24,31 @@ class _FlashInfer:
 @pytest.fixture
 def flashinfer(monkeypatch):
     monkeypatch.setattr(fb, "flashinfer_module", lambda: _FlashInfer)
-    monkeypatch.setenv(fb.ENV_W4A16_BACKEND, "cudnn")        # cute-dsl also needs nvidia-cutlass-dsl installed
+    monkeypatch.setenv(fb.ENV_W4A16_BACKEND, "cudnn")
+    real_missing = fb.w4a16_backend_missing
+    monkeypatch.setattr(fb, "w4a16_backend_missing", lambda be: None)   # no cuDNN / nvidia-cutlass-dsl on the CPU
+    _FlashInfer.real_missing = staticmethod(real_missing)
     monkeypatch.delenv(base.ENV_LINEAR_BACKEND, raising=False)
     emu.calls.clear()
     return _FlashInfer
 
 
-@pytest.mark.parametrize("shards", [(256,), (128, 64, 64), (96, 40)])
-def test_weight_only_linear_through_mm_bf16_fp4_equals_the_reference(flashinfer, shards):
+@pytest.mark.parametrize("be", ["cudnn", "cute-dsl"])
+@pytest.mark.parametrize("shards", [(256,), (128, 64, 64), (96, 40), (200,)])
+def test_weight_only_linear_through_mm_bf16_fp4_equals_the_reference(flashinfer, monkeypatch, shards, be):
+    """cute-dsl tiles N by 64: each run of rows is padded with zero rows there and its output columns sliced."""
+    monkeypatch.setenv(fb.ENV_W4A16_BACKEND, be)
     k, m = 512, 37
     w = _weight(shards, k)
     n = w.n
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(1)) * 3).bfloat16()
     spec = LinearSpec(n, k, torch.bfloat16, "w4a16", torch.device("cpu"))
-    be = fb.FlashInferW4A16Linear()
-    t, meta = be.prepare(spec, w, None)
+    lin = fb.FlashInferW4A16Linear()
+    t, meta = lin.prepare(spec, w, None)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(2)).bfloat16()
     truth0 = x.double() @ w.dequantize(torch.float64).T                  # bf16 activations as they are
     for b in (None, bias):
-        y = be.apply(t, meta, x, b)
+        y = lin.apply(t, meta, x, b)
         assert y.shape == (m, n) and y.dtype == torch.bfloat16
         truth = truth0 + (b.double() if b is not None else 0)
         assert (y.double() - truth).abs().max().item() <= 2 * 2.0 ** -8 * truth.abs().max().item()
@@ -51,12 +57,16 @@ def test_weight_only_linear_through_mm_bf16_fp4_equals_the_reference(flashinfer,
     preps = [c for c in emu.calls if c["fn"] == "prepare"]
     assert len(preps) == len(runs) == len(set(w.global_scale.tolist()))
     for call, (a0, a1) in zip(preps, runs):
-        assert torch.equal(call["b"], w.packed[a0:a1])                               # [n, K/2] codes
-        lin = emu_mm._unswizzle(call["b_descale"], a1 - a0, k // 16)                 # 128x4-swizzled scales
-        assert torch.equal(lin, w.block_scale[a0:a1].view(torch.uint8))
+        rows = a1 - a0
+        pad = -rows % 64 if be == "cute-dsl" else 0
+        assert call["b"].shape == (rows + pad, k // 2)
+        assert torch.equal(call["b"][:rows], w.packed[a0:a1])                        # [n, K/2] codes
+        assert not call["b"][rows:].any()                                            # padding: zero codes
+        lin = emu_mm._unswizzle(call["b_descale"], rows + pad, k // 16)              # 128x4-swizzled scales
+        assert torch.equal(lin[:rows], w.block_scale[a0:a1].view(torch.uint8)) and not lin[rows:].any()
         assert call["alpha"].dtype == torch.float32 and call["alpha"].shape == (1,)
         assert call["alpha"].item() == pytest.approx(1.0 / w.global_scale[a0].item(), rel=1e-7)
-        assert call["backend"] == "cudnn"
+        assert call["backend"] == be
     # per forward: one GEMM per run, on the prepared tensors, with the same backend
     mms = [c for c in emu.calls if c["fn"] == "mm"]
     assert len(mms) == 2 * len(runs) and all(c["a"].dtype == torch.bfloat16 for c in mms)
@@ -80,7 +90,10 @@ def test_selection_of_weight_only_layers_on_blackwell(flashinfer, monkeypatch):
     odd = LinearSpec(4100, 4096, torch.bfloat16, "w4a16", torch.device("cuda"))
     cls, skipped = choose_backend("linear", LINEAR_BACKENDS, odd, base.ENV_LINEAR_BACKEND, (10, 0))
     assert cls.name == "reference" and "N % 8" in dict(skipped)["flashinfer_w4a16"]
-    # cute-dsl (the default) without nvidia-cutlass-dsl: refused with the way out named
+    # cute-dsl (the default) without nvidia-cutlass-dsl, cudnn without a usable cuDNN: refused with the reason
+    monkeypatch.setattr(fb, "w4a16_backend_missing", flashinfer.real_missing)
+    cls, skipped = choose_backend("linear", LINEAR_BACKENDS, spec16, base.ENV_LINEAR_BACKEND, (10, 0))
+    assert cls.name == "reference" and "cudnn backend needs" in dict(skipped)["flashinfer_w4a16"]
     monkeypatch.setenv(fb.ENV_W4A16_BACKEND, "cute-dsl")
     import importlib.util
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "cutlass" else object())
@@ -109,3 +122,17 @@ def test_the_emulator_refuses_what_the_contract_refuses(flashinfer):
     with pytest.raises(ValueError, match="not returned by prepare"):
         emu.mm_bf16_fp4(torch.zeros(2, 64, dtype=torch.bfloat16), b, s, backend="cudnn")
 
+
+
+def test_strided_and_empty_inputs(flashinfer):
+    """A row-strided activation view is made compact (the kernels take its pointer); 0 tokens launch nothing."""
+    w = _weight((128,), 256)
+    be = fb.FlashInferW4A16Linear()
+    t, meta = be.prepare(LinearSpec(128, 256, torch.bfloat16, "w4a16", torch.device("cpu")), w, None)
+    buf = torch.randn(6, 512, generator=torch.Generator().manual_seed(4)).bfloat16()
+    x = buf[:, :256]
+    assert not x.is_contiguous()
+    assert torch.equal(be.apply(t, meta, x), be.apply(t, meta, x.contiguous()))
+    emu.calls.clear()
+    y = be.apply(t, meta, buf[:0, :256], torch.ones(128).bfloat16())
+    assert y.shape == (0, 128) and emu.calls == []

@@ -7,7 +7,9 @@
 layout, which callers must hand back to ``mm_bf16_fp4`` with the same backend. Here the "prepared" tensors are
 copies registered with the backend they were prepared for (the real layouts are the kernels' business), so a
 caller that mixes backends, or hands ``mm_bf16_fp4`` anything it did not get from ``prepare``, fails.
-``mm_bf16_fp4(a, b, b_descale, alpha, backend=...)``: ``a`` 2-D bf16, ``out = (a @ dequant(b).T) * alpha``, here
+The cute-dsl backend's prepare refuses N that is not a multiple of 64 (its 16 x 64 repack tiles), as FlashInfer's
+does. ``mm_bf16_fp4(a, b, b_descale, alpha, backend=...)``: ``a`` 2-D bf16 (compact rows),
+``out = (a @ dequant(b).T) * alpha``, here
 with exact operands and an fp64 product rounded once to ``out_dtype`` (the kernels accumulate in fp32). The
 128x4 layout is decoded with the emulator of ``mm_fp4`` (its defining formula, independent of our code).
 """
@@ -43,6 +45,11 @@ def prepare_bf16_fp4_weights(b, b_descale, alpha=None, *, backend, block_size=16
             raise TypeError(f"alpha must be float32; got {alpha.dtype}")
     if backend not in BACKENDS:
         raise ValueError(f"Unknown backend {backend!r}")
+    if backend == "cute-dsl":      # its weight repack (_cute_dsl_pack_fp4_weight): 16 x 64 (K x N) tiles
+        if k % 16:
+            raise ValueError(f"K must be a multiple of 16 (got K={k})")
+        if n % 64:
+            raise ValueError(f"N must be a multiple of 64 (got N={n})")
     calls.append(dict(fn="prepare", b=b, b_descale=b_descale, alpha=alpha, backend=backend))
     w = b.clone()
     sf = b_descale.clone().view(torch.uint8).reshape(-1)[:need].clone()
@@ -66,6 +73,10 @@ def mm_bf16_fp4(a, b, b_descale, alpha=None, *, backend, out_dtype=None, out=Non
         raise ValueError(f"b was prepared for backend {be!r}, called with {backend!r}")
     if a.shape[1] != k:
         raise ValueError(f"K mismatch: a has {a.shape[1]}, the weight {k}")
+    if not a.is_contiguous():
+        raise ValueError(f"a must be compact [M, K] (the kernels take its pointer), got strides {a.stride()}")
+    if a.shape[0] == 0:
+        raise ValueError("a has no rows (undocumented for the kernels: callers must not hand them 0 rows)")
     calls.append(dict(fn="mm", a=a, b=b, alpha=alpha, backend=backend, out_dtype=out_dtype))
     kb = k // 16
     sb = _unswizzle(b_descale.reshape((n + 127) // 128 * 128, -1), n, kb).view(torch.float8_e4m3fn).float()

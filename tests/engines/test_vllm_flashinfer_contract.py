@@ -65,6 +65,7 @@ def test_flashinfer_accepts_what_our_backend_hands_over(monkeypatch, dtype):
 # --- the Blackwell weight-only linear backend (flashinfer_w4a16) against prepare_bf16_fp4_weights / mm_bf16_fp4 ---
 
 from ..emulators import flashinfer_bf16_fp4 as w16_emu  # noqa: E402
+from ..test_flashinfer_backend import _weight  # noqa: E402
 
 
 def test_bf16_fp4_signatures_take_our_calls():
@@ -77,6 +78,17 @@ def test_bf16_fp4_signatures_take_our_calls():
         assert list(inspect.signature(emulated).parameters) == list(sig.parameters)
     assert list(inspect.signature(flashinfer.prepare_bf16_fp4_weights).parameters)[:3] == ["b", "b_descale", "alpha"]
     assert list(inspect.signature(flashinfer.mm_bf16_fp4).parameters)[:4] == ["a", "b", "b_descale", "alpha"]
+
+
+def _real_prepare(monkeypatch, *, mm, backend):
+    """Our backends see FlashInfer's real prepare_bf16_fp4_weights, ``mm`` as mm_bf16_fp4, and ``backend``."""
+    class Fi:
+        prepare_bf16_fp4_weights = staticmethod(flashinfer.prepare_bf16_fp4_weights)
+        mm_bf16_fp4 = staticmethod(mm)
+        mm_fp4 = staticmethod(emu.mm_fp4)
+
+    monkeypatch.setattr(fb, "flashinfer_module", lambda: Fi)
+    monkeypatch.setenv(fb.ENV_W4A16_BACKEND, backend)
 
 
 def test_flashinfer_w4a16_accepts_what_our_backend_hands_over(monkeypatch):
@@ -92,18 +104,10 @@ def test_flashinfer_w4a16_accepts_what_our_backend_hands_over(monkeypatch):
 
     monkeypatch.setattr(gemm_bf16_fp4_cudnn, "_prepare_cudnn", packing)
 
-    class Fi:
-        prepare_bf16_fp4_weights = staticmethod(flashinfer.prepare_bf16_fp4_weights)
-        mm_bf16_fp4 = staticmethod(w16_emu.mm_bf16_fp4)
-        mm_fp4 = staticmethod(emu.mm_fp4)
-
-    monkeypatch.setattr(fb, "flashinfer_module", lambda: Fi)
-    monkeypatch.setenv(fb.ENV_W4A16_BACKEND, "cudnn")
+    _real_prepare(monkeypatch, mm=w16_emu.mm_bf16_fp4, backend="cudnn")
     n, k, m = 200, 512, 7
-    w = torch.randn(n, k) * 0.02
-    gs = nx.tensor_global_scale(w)
-    p, s = reference.scaled_fp4_quant(w.bfloat16(), gs.reshape(1), swizzle=False)
-    weight = Nvfp4Weight(p, s, gs.reshape(1).expand(n).float().contiguous())
+    weight = _weight((n,), k)
+    p = weight.packed
     be = fb.FlashInferW4A16Linear()
     w16_emu.calls.clear()
     t, meta = be.prepare(LinearSpec(n, k, torch.bfloat16, "w4a16", torch.device("cpu")), weight, None)
@@ -114,6 +118,21 @@ def test_flashinfer_w4a16_accepts_what_our_backend_hands_over(monkeypatch):
                                                          out_dtype=c["out_dtype"])
     with pytest.raises(TypeError):       # and FlashInfer refuses fp16 activations, as the backend's selection does
         gemm_bf16_fp4._check_mm_bf16_fp4_problem_size(c["a"].half(), c["b"], t["sf0"], c["alpha"], backend="cudnn")
+
+
+@pytest.mark.parametrize("shards", [(200,), (96, 40), (256,)])
+def test_flashinfers_cute_dsl_prepare_takes_our_padded_runs(monkeypatch, shards):
+    """FlashInfer's real cute-dsl weight preparation (pure torch, runs on the CPU) on what our backend hands it:
+    every run of rows padded to its 64-row tiles, so N = 200 or fused shards of 96 + 40 rows load."""
+    _real_prepare(monkeypatch, mm=flashinfer.mm_bf16_fp4, backend="cute-dsl")
+    k = 512
+    weight = _weight(shards, k)
+    t, meta = fb.FlashInferW4A16Linear().prepare(LinearSpec(weight.n, k, torch.bfloat16, "w4a16",
+                                                            torch.device("cpu")), weight, None)
+    for i, n in enumerate(shards):
+        n_pad = -(-n // 64) * 64
+        assert t[f"w{i}"].dtype == torch.int32 and t[f"w{i}"].shape == (k // 16, 2 * n_pad)   # its repacked layout
+        assert t[f"sf{i}"].shape == (k // 16, n_pad)
 
 
 # --- the Blackwell fused-MoE backend (flashinfer_cutlass_moe) against flashinfer.fused_moe.cutlass_fused_moe ---

@@ -57,6 +57,34 @@ def flashinfer_w4a16_module():
     return fi if fi is not None and all(hasattr(fi, f) for f in ("mm_bf16_fp4", "prepare_bf16_fp4_weights")) else None
 
 
+#: mm_bf16_fp4's cute-dsl kernel: N in tiles of 64 (prepare refuses other N; we pad), K in tiles of 64 or 128
+CUTE_DSL_N = 64
+CUTE_DSL_K = 64
+#: the first cuDNN backend version with the BF16 x FP4 GEMM (FlashInfer's _CUDNN_BF16_FP4_MIN_BACKEND_VERSION)
+CUDNN_BF16_FP4_MIN_VERSION = 92301
+
+
+def w4a16_backend_missing(be: str) -> str | None:
+    """Why ``mm_bf16_fp4``'s backend ``be`` cannot run in this environment, or None (checked at selection, so
+    a layer never lands on a backend whose every forward would fail)."""
+    import importlib.util
+
+    if be == "cute-dsl":
+        if importlib.util.find_spec("cutlass") is None:
+            return (f"mm_bf16_fp4's cute-dsl backend needs nvidia-cutlass-dsl (pip install nvidia-cutlass-dsl), or "
+                    f"set {ENV_W4A16_BACKEND}=cudnn")
+        return None
+    try:
+        import cudnn
+
+        version = cudnn.backend_version()
+    except Exception as exc:  # noqa: BLE001 - not installed, or no usable libcudnn
+        return f"mm_bf16_fp4's cudnn backend needs cuDNN's Python frontend and library ({type(exc).__name__}: {exc})"
+    if version < CUDNN_BF16_FP4_MIN_VERSION:
+        return f"mm_bf16_fp4's cudnn backend needs a cuDNN backend >= 9.23.1, found {version}"
+    return None
+
+
 def w4a16_backend() -> str:
     be = envs.flashinfer_w4a16_backend()
     if be not in W4A16_BACKENDS:
@@ -180,13 +208,7 @@ class FlashInferW4A16Linear(FlashInferBackend):
     @classmethod
     def unsupported_reason(cls, device, capability=None):
         reason = super().unsupported_reason(device, capability)
-        if reason is None and w4a16_backend() == "cute-dsl":
-            import importlib.util
-
-            if importlib.util.find_spec("cutlass") is None:
-                reason = (f"mm_bf16_fp4's cute-dsl backend needs nvidia-cutlass-dsl (pip install nvidia-cutlass-dsl), "
-                          f"or set {ENV_W4A16_BACKEND}=cudnn")
-        return reason
+        return reason if reason is not None else w4a16_backend_missing(w4a16_backend())
 
     @classmethod
     def cannot_implement(cls, spec):
@@ -194,6 +216,8 @@ class FlashInferW4A16Linear(FlashInferBackend):
             return "a checkpoint with activation scales (W4A4): flashinfer_fp4 serves it"
         if spec.act_dtype != torch.bfloat16:
             return f"mm_bf16_fp4 takes bf16 activations only (FlashInfer has no fp16 path yet), got {spec.act_dtype}"
+        if w4a16_backend() == "cute-dsl" and spec.k % CUTE_DSL_K:
+            return f"mm_bf16_fp4's cute-dsl kernel tiles K by {CUTE_DSL_K}, got K={spec.k}"
         return _row_bytes_reason(cls.entry_point, spec)
 
     @classmethod
@@ -208,9 +232,12 @@ class FlashInferW4A16Linear(FlashInferBackend):
         has_alpha = []
         for i, (a, b) in enumerate(runs):
             alpha = (1.0 / weight.global_scale[a].float()).reshape(1).contiguous()        # the decode scale
-            w, sf, al = fi.prepare_bf16_fp4_weights(weight.packed[a:b].contiguous(),
-                                                    nx.swizzle_blockscale(weight.block_scale[a:b].contiguous()),
-                                                    alpha, backend=be)
+            codes, scales = weight.packed[a:b].contiguous(), weight.block_scale[a:b].contiguous()
+            pad = -(b - a) % CUTE_DSL_N if be == "cute-dsl" else 0
+            if pad:     # the cute-dsl kernel tiles N by 64: zero rows (code 0, scale 0), their columns sliced off
+                codes = torch.cat([codes, codes.new_zeros(pad, codes.shape[1])])
+                scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
+            w, sf, al = fi.prepare_bf16_fp4_weights(codes, nx.swizzle_blockscale(scales), alpha, backend=be)
             t[f"w{i}"], t[f"sf{i}"] = w, sf
             if al is not None:
                 t[f"alpha{i}"] = al
@@ -221,12 +248,15 @@ class FlashInferW4A16Linear(FlashInferBackend):
         runs, has_alpha, n, k, be = meta
         fi = flashinfer_w4a16_module()
         x2 = x.reshape(-1, k)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        outs = [fi.mm_bf16_fp4(x2, t[f"w{i}"], t[f"sf{i}"], t[f"alpha{i}"] if has_alpha[i] else None, backend=be,
-                               out_dtype=x.dtype)
-                for i in range(len(runs))]
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if x2.shape[0] == 0:
+            y = x2.new_empty((0, n))
+        else:
+            if not x2.is_contiguous():      # both kernels take a compact [M, K] (cuDNN is handed the pointer alone)
+                x2 = x2.contiguous()
+            outs = [fi.mm_bf16_fp4(x2, t[f"w{i}"], t[f"sf{i}"], t[f"alpha{i}"] if has_alpha[i] else None,
+                                   backend=be, out_dtype=x.dtype)[:, :b - a]
+                    for i, (a, b) in enumerate(runs)]
+            y = outs[0].contiguous() if len(outs) == 1 else torch.cat(outs, dim=1)
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], n)
