@@ -301,7 +301,52 @@ def test_hessians_in_several_passes_give_the_same_checkpoint(tmp_path, monkeypat
 
 
 def test_gptq_hessian_memory_must_be_positive(tiny, capsys):
-    rc = cli.main(["quantize", str(tiny / "bf16"), str(tiny / "never"), "--method", "gptq", "--gptq-hessian-memory",
-                   "0", "--quiet"])
-    assert rc == 2 and "--gptq-hessian-memory: expected a positive number of GB, got 0" in capsys.readouterr().err
+    for bad in ("0", "inf", "nan"):
+        rc = cli.main(["quantize", str(tiny / "bf16"), str(tiny / "never"), "--method", "gptq",
+                       "--gptq-hessian-memory", bad, "--quiet"])
+        err = capsys.readouterr().err
+        assert rc == 2 and "--gptq-hessian-memory: expected a positive, finite number of GB, got" in err, (bad, err)
     assert not (tiny / "never").exists()
+
+
+def test_hessian_stream_out_of_order_and_unseen_keys():
+    """A key asked for out of order collects a chunk without the keys already collected; a key its pass never
+    saw comes back as None (its module falls back to mse); the model is freed after the last pass."""
+    from nvfp4_plugin.checkpoints.quantize import _HessianStream
+
+    class Cal:
+        passes, closed, seen = 0, 0, []
+
+        def collect(self, hessians, hessian_keys):
+            self.passes += 1
+            self.seen.append(set(hessian_keys))
+            hessians.update({k: torch.ones(1) for k in hessian_keys if k != "unseen"})
+
+        def close(self):
+            self.closed += 1
+
+    order = [(k, 10) for k in ("a", "b", "c", "unseen", "d")]
+    cal = Cal()
+    st = _HessianStream(cal, order, 25, {"a": torch.ones(1), "b": torch.ones(1)}, {"a", "b"})
+    assert st.pop("c") is not None and cal.seen == [{"c", "unseen"}]    # budget 25: two keys of 10
+    assert st.pop("b") is not None and st.pop("unseen") is None and cal.passes == 1
+    assert st.pop("a") is not None and cal.closed == 0
+    assert st.pop("d") is not None and cal.seen[-1] == {"d"} and cal.closed == 1
+    assert st.pop("nothing") is None and cal.passes == 2
+
+
+def test_an_error_after_calibration_frees_the_model(tiny, monkeypatch):
+    from nvfp4_plugin.checkpoints import calibrate as C
+    from nvfp4_plugin.checkpoints import quantize as Q
+
+    closed = []
+    real_close = C.Calibrator.close
+    monkeypatch.setattr(C.Calibrator, "close", lambda self: (closed.append(self.model is not None), real_close(self)))
+
+    def boom(plan, raw):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(Q, "_input_amax_for", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        quantize_checkpoint(tiny / "bf16", tiny / "never", method="gptq", gptq_hessian_memory_gb=1e-9, **CALIB)
+    assert closed and closed[0] is True and not (tiny / "never").exists()

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections import defaultdict
@@ -352,9 +353,13 @@ class _HessianStream:
             self.close()
 
     @staticmethod
-    def chunk(order: list[tuple[str, int]], start: int, budget: int) -> list[str]:
+    def chunk(order: list[tuple[str, int]], start: int, budget: int, skip=frozenset()) -> list[str]:
+        """Keys from ``order[start]`` on (less ``skip``, those collected already) up to ``budget`` bytes, at least
+        one."""
         keys, total = [], 0
         for key, nbytes in order[start:]:
+            if key in skip:
+                continue
             if keys and total + nbytes > budget:
                 break
             keys.append(key)
@@ -366,7 +371,7 @@ class _HessianStream:
             return self.ready.pop(key)
         if key in self.covered or key not in self.index:
             return default              # its pass ran and never saw this input (an expert no token reached)
-        keys = self.chunk(self.order, self.index[key], self.budget)
+        keys = self.chunk(self.order, self.index[key], self.budget, self.covered)
         self.covered.update(keys)
         self.cal.collect(hessians=self.ready, hessian_keys=set(keys))
         if self.covered >= set(self.index):
@@ -504,9 +509,9 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
         raise CheckpointError(problem(None, None, "--method gptq needs calibration (its Hessians come from running "
                                                   "the model); --no-calibration allows --method rtn or mse only "
                                                   "(for a weight-only gptq checkpoint use --weights-only)"))
-    if options.gptq_hessian_memory_gb is not None and not options.gptq_hessian_memory_gb > 0:
-        raise CheckpointError(problem(None, None, f"--gptq-hessian-memory: expected a positive number of GB, got "
-                                                  f"{options.gptq_hessian_memory_gb}"))
+    if options.gptq_hessian_memory_gb is not None and not 0 < options.gptq_hessian_memory_gb < math.inf:
+        raise CheckpointError(problem(None, None, f"--gptq-hessian-memory: expected a positive, finite number of GB, "
+                                                  f"got {options.gptq_hessian_memory_gb}"))
     gptq_settings = None
     if options.method == "gptq":
         from .gptq import GptqSettings
@@ -563,11 +568,11 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
                                 len(order), sum(b for _, b in order) / 1e9, budget / 1e9)
             else:
                 cal.close()
+            if quant_algo == F.ALGO_W4A4:
+                input_amax, filled = _input_amax_for(plan, raw)
         except BaseException:
-            cal.close()
+            cal.close()       # the model kept for later Hessian passes too
             raise
-        if quant_algo == F.ALGO_W4A4:
-            input_amax, filled = _input_amax_for(plan, raw)
         if filled:
             logger.warning("nvfp4_plugin: %d experts received no calibration tokens; they use their layer's "
                            "largest input amax", len(filled))
