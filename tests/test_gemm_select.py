@@ -146,6 +146,11 @@ def test_one_config_type_per_kernel_family():
         flags = (cfg.v2, cfg.gluon, cfg.dequant_mm)
         assert sum(flags) <= 1 and flags == (family == "triton-mma", family == "gluon", family == "dequant-mm")
     assert TritonMmaConfig(bm=16) != TritonWgmmaConfig(bm=16)          # same fields, different kernels
+    # old tables could name another family's fields at their defaults
+    assert W4Config.from_json({"v2": True, "bm": 8, "prefetch": 2, "ss": False}) == TritonMmaConfig(bm=8)
+    assert W4Config.from_json({"dequant_mm": True, "split_tail": False}) == DequantMmConfig()
+    with pytest.raises(ValueError, match="TritonMmaConfig: unknown keys \\['prefetch'\\]"):
+        W4Config.from_json({"v2": True, "bm": 8, "prefetch": 4})
     with pytest.raises(ValueError, match="unknown family 'cutlass'"):
         W4Config.from_json({"family": "cutlass"})
     with pytest.raises(ValueError, match="TritonMmaConfig: unknown keys \\['ss'\\]"):

@@ -270,6 +270,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fp16", action="store_true")
     ap.add_argument("--dump", help="write the SASS here")
     a = ap.parse_args(argv)
+    if sum((a.v2, a.gluon, a.ss)) > 1 or (a.prefetch != 2 and not a.gluon):
+        ap.error("--v2, --gluon and --ss pick one kernel family; --prefetch is a --gluon option")
     common = dict(bn=a.bn, bm=a.bm, bk=a.bk, split_k=a.split_k, num_stages=a.stages)
     if a.gluon:
         cfg = GluonConfig(**common, num_warps=a.bn // 16, prefetch=a.prefetch)

@@ -115,6 +115,9 @@ class W4Config:
         if family is None:
             family = ("gluon" if legacy.get("gluon") else "triton-mma" if legacy.get("v2")
                       else "dequant-mm" if legacy.get("dequant_mm") else "triton-wgmma")
+            # the old single type took every family's fields; at their defaults they said nothing
+            own = {f.name for f in fields(FAMILIES[family])}
+            d = {k: v for k, v in d.items() if k in own or _FAMILY_DEFAULTS.get(k, _NO_DEFAULT) != v}
         elif any(legacy.values()):
             raise ValueError(f"W4Config: {sorted(k for k, v in legacy.items() if v)} with family {family!r}")
         if family not in FAMILIES:
