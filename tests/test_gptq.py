@@ -1,6 +1,8 @@
 """GPTQ (``quantize --method gptq``) on the CPU: error against rtn and mse on a layer with a known
 Hessian, exact codes, dead columns, an independent slow implementation, and the checkpoint path."""
 
+import time
+
 import pytest
 import torch
 
@@ -298,6 +300,7 @@ def test_hessians_in_several_passes_give_the_same_checkpoint(tmp_path, monkeypat
         assert torch.equal(a[name].view(torch.uint8) if a[name].dtype == torch.float8_e4m3fn else a[name],
                            b[name].view(torch.uint8) if b[name].dtype == torch.float8_e4m3fn else b[name]), name
     assert one.quant_algo == many.quant_algo == "NVFP4"
+    assert many.seconds_calibration > 0 and many.seconds_quantize > 0
 
 
 def test_gptq_hessian_memory_must_be_positive(tiny, capsys):
@@ -318,6 +321,7 @@ def test_hessian_stream_out_of_order_and_unseen_keys():
         passes, closed, seen = 0, 0, []
 
         def collect(self, hessians, hessian_keys):
+            time.sleep(0.01)
             self.passes += 1
             self.seen.append(set(hessian_keys))
             hessians.update({k: torch.ones(1) for k in hessian_keys if k != "unseen"})
@@ -333,6 +337,7 @@ def test_hessian_stream_out_of_order_and_unseen_keys():
     assert st.pop("a") is not None and cal.closed == 0
     assert st.pop("d") is not None and cal.seen[-1] == {"d"} and cal.closed == 1
     assert st.pop("nothing") is None and cal.passes == 2
+    assert st.seconds >= 0.02                                            # both passes counted as calibration
 
 
 def test_an_error_after_calibration_frees_the_model(tiny, monkeypatch):

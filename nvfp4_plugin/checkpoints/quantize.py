@@ -349,6 +349,7 @@ class _HessianStream:
         self.budget = budget
         self.ready = first
         self.covered = set(first_keys)
+        self.seconds = 0.0          # the later passes' calibration time (the quantization loop waits on it)
         if self.covered >= set(self.index):
             self.close()
 
@@ -373,7 +374,9 @@ class _HessianStream:
             return default              # its pass ran and never saw this input (an expert no token reached)
         keys = self.chunk(self.order, self.index[key], self.budget, self.covered)
         self.covered.update(keys)
+        t = time.time()
         self.cal.collect(hessians=self.ready, hessian_keys=set(keys))
+        self.seconds += time.time() - t
         if self.covered >= set(self.index):
             self.close()
         return self.ready.pop(key, default)
@@ -624,6 +627,8 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
                 out_files = list(writer.names)
                 bytes_out = sum((tmp / f).stat().st_size for f in out_files)
                 t_q = time.time() - t_q
+                if isinstance(hessians, _HessianStream):     # its later passes are calibration, not quantization
+                    t_cal, t_q = t_cal + hessians.seconds, t_q - hessians.seconds
             except BaseException:  # close what holds files in tmp before it is deleted
                 if reader is not None:
                     reader.close()
