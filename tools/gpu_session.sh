@@ -11,6 +11,9 @@
 #   bench-quant / bench-triton / bench-gemm / bench-quantize   the benchmark scripts ($BENCH_QUANTIZE_ARGS, e.g.
 #             --methods mse gptq)
 #   info      `nvfp4-plugin info`: the layer plan this GPU gets
+#   e2e       benchmarks/bench_e2e.py run into $R/e2e with $E2E_ARGS (e.g. --engines sglang --timeout 600), the
+#             engine bundle's site first on PYTHONPATH; sglang-jit: SGLang's Marlin JIT kernels (~6.5 min of nvcc,
+#             CPU only: start it early, e.g. with gpu_bg.sh, beside GPU work)
 #   tune-gemm tune_gemm.py into a copy of the package configs under $R/configs, used by the later steps
 #             ($TUNE_KINDS, default dense,grouped,masked; $TUNE_BUDGET_S, default 420; $TUNE_ARGS more
 #             tune_gemm.py options, e.g. --max-m 16)
@@ -59,6 +62,9 @@ for s in "$@"; do
       tag="${kv//[^A-Za-z0-9=]/_}"
       step "bq-$tag" env ${kv//+/ } python3 benchmarks/bench_quant.py --out "$R/$tag" ${BENCH_QUANT_ARGS:-} $ops ;;
     info) step info python3 -m nvfp4_plugin.cli info ;;
+    # with an engine bundle's site first on PYTHONPATH (../shared/tools/*-bundle/README.md):
+    e2e) step e2e python3 -m benchmarks.bench_e2e run --out "$R/e2e" ${E2E_ARGS:-} ;;
+    sglang-jit) step sglang-jit python3 -m benchmarks.bench_e2e prebuild-sglang-jit ;;
     diag-gemm) step diag-gemm python3 tools/diag_gemm_tiles.py ;;
     bench-quant) step bench-quant python3 benchmarks/bench_quant.py --out "$R" ${BENCH_QUANT_ARGS:-} ;;
     bench-triton) step bench-triton python3 benchmarks/bench_triton_quant.py --out "$R/triton_quant_h200.md" ;;
