@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 from pathlib import Path
 
@@ -99,9 +99,8 @@ class W4Config:
             raise ValueError(f"{name}: bn={self.bn} is fewer rows than num_warps={self.num_warps} warps x 16")
 
     def to_json(self) -> dict:
-        base = {f.name: f.default for f in fields(W4Config)}
-        return {"family": self.FAMILY, **{k: v for k, v in asdict(self).items() if v != base.get(k, _NO_DEFAULT)
-                                          and v != _FAMILY_DEFAULTS.get(k)}}
+        return {"family": self.FAMILY, **{f.name: getattr(self, f.name) for f in fields(self)
+                                          if getattr(self, f.name) != f.default}}
 
     @classmethod
     def from_json(cls, d: dict) -> W4Config:
@@ -117,7 +116,7 @@ class W4Config:
                       else "dequant-mm" if legacy.get("dequant_mm") else "triton-wgmma")
             # the old single type took every family's fields; at their defaults they said nothing
             own = {f.name for f in fields(FAMILIES[family])}
-            d = {k: v for k, v in d.items() if k in own or _FAMILY_DEFAULTS.get(k, _NO_DEFAULT) != v}
+            d = {k: v for k, v in d.items() if k in own or _FIELD_DEFAULTS.get(k, _NO_DEFAULT) != v}
         elif any(legacy.values()):
             raise ValueError(f"W4Config: {sorted(k for k, v in legacy.items() if v)} with family {family!r}")
         if family not in FAMILIES:
@@ -130,8 +129,6 @@ class W4Config:
 
 
 _NO_DEFAULT = object()
-#: defaults of the family-only fields (left out of the JSON like the shared ones)
-_FAMILY_DEFAULTS = {"ss": False, "prefetch": 2, "split_tail": False}
 
 
 @dataclass(frozen=True)
@@ -220,6 +217,8 @@ class DequantMmConfig(W4Config):
 
 
 FAMILIES = {c.FAMILY: c for c in (TritonMmaConfig, TritonWgmmaConfig, GluonConfig, DequantMmConfig)}
+#: every family's field defaults (one value per name: the shared fields default alike in every family)
+_FIELD_DEFAULTS = {f.name: f.default for c in FAMILIES.values() for f in fields(c)}
 
 
 DENSE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
