@@ -32,6 +32,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 QUANT_TIME_TARGET_S = 180.0
+#: the phases of quantize's summary line
+PHASES = re.compile(r"calibration ([\d.]+)s, quantization ([\d.]+)s")
 RSS_TARGET_SHARDS = 2.0
 
 
@@ -145,7 +147,7 @@ def main() -> int:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 
-    phases = re.search(r"calibration ([\d.]+)s, quantization ([\d.]+)s", q["output"])
+    phases = PHASES.search(q["output"])
     lines = [
         f"# Offline quantizer benchmark ({args.arch} {args.size})",
         "",
@@ -168,7 +170,7 @@ def main() -> int:
         lines.append(f"quantize phases (from its summary): calibration {phases[1]} s, quantization + write "
                      f"{phases[2]} s; the rest is process start-up, imports and CUDA initialization.")
     for name, r, _ in rows:
-        m = re.search(r"calibration ([\d.]+)s, quantization ([\d.]+)s", r["output"]) if name in reported_only else None
+        m = PHASES.search(r["output"]) if name in reported_only else None
         if m:
             lines.append(f"- {name}: calibration {m[1]} s, quantization + write {m[2]} s")
     for name, r, shard in rows:

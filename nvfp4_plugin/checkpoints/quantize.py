@@ -381,10 +381,6 @@ class _HessianStream:
             self.close()
         return self.ready.pop(key, default)
 
-    @property
-    def passes(self) -> int:
-        return self.cal.passes
-
     def close(self) -> None:
         self.cal.close()
 
