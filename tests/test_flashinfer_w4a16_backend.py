@@ -30,6 +30,7 @@ def flashinfer(monkeypatch):
     _FlashInfer.real_missing = staticmethod(real_missing)
     monkeypatch.delenv(base.ENV_LINEAR_BACKEND, raising=False)
     emu.calls.clear()
+    emu.prepared.clear()
     return _FlashInfer
 
 

@@ -21,7 +21,9 @@ import torch
 from .flashinfer_mm_fp4 import _decode_codes, _unswizzle
 
 BACKENDS = ("cudnn", "cute-dsl")
-prepared: dict[int, tuple[str, int, int]] = {}   # id of a prepared weight -> (backend, N, K)
+#: id of a prepared weight -> (that tensor, backend, N, K); the tensor is held so that its id is not reused by
+#: another tensor while it is registered (an id-only key made a later, unrelated tensor look prepared)
+prepared: dict[int, tuple[torch.Tensor, str, int, int]] = {}
 calls: list[dict] = []
 
 
@@ -53,7 +55,7 @@ def prepare_bf16_fp4_weights(b, b_descale, alpha=None, *, backend, block_size=16
     calls.append(dict(fn="prepare", b=b, b_descale=b_descale, alpha=alpha, backend=backend))
     w = b.clone()
     sf = b_descale.clone().view(torch.uint8).reshape(-1)[:need].clone()
-    prepared[id(w)] = (backend, n, k)
+    prepared[id(w)] = (w, backend, n, k)
     return w, sf, None if alpha is None else alpha.clone()
 
 
@@ -66,9 +68,9 @@ def mm_bf16_fp4(a, b, b_descale, alpha=None, *, backend, out_dtype=None, out=Non
         raise ValueError(f"out_dtype must be bfloat16 or float16; got {out_dtype}")
     if block_size != 16:
         raise ValueError("block_size must be 16 for FP4")
-    if id(b) not in prepared:
+    if id(b) not in prepared or prepared[id(b)][0] is not b:
         raise ValueError("b was not returned by prepare_bf16_fp4_weights")
-    be, n, k = prepared[id(b)]
+    _, be, n, k = prepared[id(b)]
     if be != backend:
         raise ValueError(f"b was prepared for backend {be!r}, called with {backend!r}")
     if a.shape[1] != k:
