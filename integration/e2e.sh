@@ -84,6 +84,9 @@ for s in "$@"; do
         quantize_both "$arch"
       done ;;
     smollm2) quantize_both smollm2 ;;
+    llama) serve_all llama with-bf16 ;;
+    moe) serve_all qwen3_moe ;;
+    smol) serve_all smollm2 with-bf16 ;;
     smallmodels)
       [ -d "$M/llama_small-bf16" ] || python3 -m nvfp4_plugin.cli make-model "$M/llama_small-bf16" --arch llama --size small \
         || status=1
