@@ -127,15 +127,16 @@ def main() -> int:
         largest = max(p.stat().st_size for p in shards)
         total = sum(p.stat().st_size for p in shards)
         rows.append(("make-model", mk, None))
-        q = run_measured(cli + ["quantize", str(src), str(dst), "--device", args.device, "--quiet"], env)
-        rows.append(("quantize (calibrated, NVFP4 W4A4)", q, largest))
+        q = run_measured(cli + ["quantize", str(src), str(dst), "--device", args.device, "--quiet",
+                                "--method", "rtn"], env)
+        rows.append(("quantize --method rtn (calibrated, NVFP4 W4A4)", q, largest))
         if q["rc"] == 0:
             chk = run_measured(cli + ["check", str(dst)], env)
             rows.append(("check output (our loader, all scales)", chk, None))
         if args.weight_only_too:
             qw = run_measured(cli + ["quantize", str(src), str(dst_wo), "--device", args.device, "--quiet",
-                                     "--no-calibration"], env)
-            rows.append(("quantize --no-calibration (W4A16)", qw, largest))
+                                     "--method", "rtn", "--no-calibration"], env)
+            rows.append(("quantize --method rtn --no-calibration (W4A16)", qw, largest))
         for method in args.methods:
             qm = run_measured(cli + ["quantize", str(src), str(work / f"nvfp4-{method}"), "--device", args.device,
                                      "--quiet", "--method", method, "--weights-only"], env)

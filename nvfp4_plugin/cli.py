@@ -350,10 +350,10 @@ def main(argv=None) -> int:
     p.add_argument("--per-shard-global-scales", action="store_true",
                    help="one global scale per tensor instead of one per fused group (q/k/v, gate/up); exact with "
                         "this plugin, lossy with the engines' built-in loaders")
-    p.add_argument("--method", choices=("rtn", "mse", "gptq"), default="rtn",
-                   help="block scales: rtn = from each 16-value block's maximum (ModelOpt's default); mse = the E4M3 "
-                        "scale within two octaves of it with the least squared error, each column weighted by its "
-                        "mean squared calibration input when calibrating; gptq = column-by-column rounding with "
+    p.add_argument("--method", choices=("rtn", "mse", "gptq"), default="mse",
+                   help="block scales: mse (the default) = the E4M3 scale within two octaves of the block maximum's "
+                        "with the least squared error, each column weighted by its mean squared calibration input "
+                        "when calibrating; rtn = from each 16-value block's maximum (ModelOpt's default); gptq = column-by-column rounding with "
                         "error compensation from each input's calibration Hessian, block scales by the mse rule "
                         "(needs calibration) (same format, any loader)")
     p.add_argument("--weights-only", action="store_true",

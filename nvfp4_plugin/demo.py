@@ -10,9 +10,9 @@ What it does, on any machine with the package registry reachable (nothing else: 
    whose K = 576 is not a multiple of 128 (a real test of the kernels' edge handling).
 2. **Quantize** it with ``nvfp4-plugin quantize`` into a standard NVFP4 checkpoint (ModelOpt layout,
    readable by vLLM's and SGLang's built-in loaders as by ours), weight-only by default. ``--method``:
-   ``rtn`` by default (the quantizer's own default, about 25 s here); ``mse`` halves the perplexity loss
+   ``rtn`` by default here (about 25 s); ``mse``, the quantizer's own default, halves the perplexity loss
    on this model, but its block-scale search (weighted by a short calibration) takes minutes more on two
-   CPU cores, past the five minutes the demo is meant to take.
+   CPU cores, past the five minutes the demo is meant to take (on a GPU it costs seconds).
 3. **Generate** greedily from one chat prompt with the bf16 model and with the NVFP4 model, whose
    every quantized projection is an :class:`~nvfp4_plugin.layers.Nvfp4Linear` built from the
    checkpoint (the layer the engine adapters build; on a CPU its reference backend runs, on a GPU the
