@@ -23,6 +23,11 @@ class ExtensionStatus:
 
 @functools.lru_cache(maxsize=1)
 def extension_status() -> ExtensionStatus:
+    # torch first: _C links against libc10 / libtorch, which the dynamic loader finds only once torch has
+    # loaded them (without it the import fails with "libc10.so: cannot open shared object file", and the
+    # cached status would keep the extension off for the whole process). Importing torch starts no CUDA.
+    import torch  # noqa: F401
+
     try:
         mod = importlib.import_module("nvfp4_plugin._C")
     except Exception as exc:  # ImportError, or an OSError from a CUDA library mismatch
