@@ -28,7 +28,9 @@ of every configuration at those batch sizes, and full prefill steps (``max_num_b
 prompt tokens each): kernels by time per step and share, plus the host side (CUDA-graph and eager
 kernel launches per step, the share of the step the GPU was busy). With
 ``--serve``, ``vllm serve`` of ours and of the best built-in answers streaming completions from
-``--concurrency`` clients: tokens/s, time to first token and inter-token latency (p50 / p99).
+``--concurrency`` clients: tokens/s, time to first token and inter-token latency (p50 / p99). vLLM runs also
+record the worker's torch allocator counters over one extra prefill run (cudaMalloc retries synchronise the
+device: wall time the kernel profile does not show).
 
 Results: one JSON per configuration in DIR, ``e2e.md`` (tables, ratios, the floors of the
 end-to-end issue) and ``e2e.png`` (tokens/s against batch size).
@@ -148,6 +150,8 @@ def plugin_env() -> dict:
     (a dist-info folder, as ``pip install`` would write) unless the package is installed."""
     env = dict(os.environ)
     env.pop("VLLM_WORKER_MULTIPROC_METHOD", None)        # vLLM's default start method, as users get it
+    # collective_rpc with a function (the allocator counters): vLLM pickles it only when allowed
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     # SGLang JIT-compiles its bf16 kernels: nvcc (CUDA_HOME), ninja and a cache folder
     # (../shared/tools/sglang-bundle/README.md)
@@ -226,6 +230,31 @@ def kernel_table(trace_path: str, steps: int, top: int = 15) -> dict:
                          "calls_per_step": n / steps} for t, n, k in rows[:top]]}
 
 
+#: torch caching-allocator counters read in the engine's worker around one prefill run: a cudaMalloc retry
+#: (the allocator freeing its cache to satisfy a request) synchronises the device, which the kernel
+#: profile does not show but wall time does (the MoE prefill's wall time exceeds its GPU time by more
+#: than bf16's: issue 37)
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams",
+                      "num_ooms")
+
+
+def _worker_allocator_counters(worker) -> dict:
+    import torch
+
+    stats = torch.cuda.memory_stats()
+    out = {k: stats.get(k, 0) for k in ALLOCATOR_COUNTERS}
+    out["reserved_bytes"] = stats.get("reserved_bytes.all.current", 0)
+    return out
+
+
+def allocator_delta(before: list[dict], after: list[dict]) -> dict:
+    """Counters of the first worker after minus before (reserved bytes: the value after)."""
+    b, e = before[0], after[0]
+    d = {k: e.get(k, 0) - b.get(k, 0) for k in ALLOCATOR_COUNTERS}
+    d["reserved_gb"] = round(e.get("reserved_bytes", 0) / 1e9, 2)
+    return d
+
+
 def _vllm_worker(a, result: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -258,6 +287,14 @@ def _vllm_worker(a, result: dict) -> None:
         return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t
 
     run_sweep(result, timed, a)
+    try:   # one more prefill run, bracketed by the worker's allocator counters
+        before = llm.collective_rpc(_worker_allocator_counters)
+        n, dt = timed(a.prefill[0], a.prefill[1], 1)
+        result["prefill_allocator"] = dict(allocator_delta(before, llm.collective_rpc(_worker_allocator_counters)),
+                                           tok_s=round(a.prefill[0] * a.prefill[1] / dt, 1))
+    except Exception as exc:  # noqa: BLE001 - a diagnostic: recorded, never fatal
+        result["prefill_allocator"] = {"error": f"{type(exc).__name__}: {exc}"}
+    print(f"[{a.engine} {a.model} {a.config}] prefill allocator: {result['prefill_allocator']}", flush=True)
     if not a.profile_batches:
         return
 
@@ -575,6 +612,22 @@ def profile_summary(rows: list[dict]) -> list[str]:
              "kernel launches / step |", "|---|---:|---:|---:|---:|---:|---:|"] + lines + [""])
 
 
+def allocator_summary(rows: list[dict]) -> list[str]:
+    """The worker's allocator counters over one extra prefill run, per configuration (where recorded)."""
+    have = [r for r in rows if r.get("prefill_allocator") and "error" not in r["prefill_allocator"]]
+    if not have:
+        return []
+    md = ["Allocator counters of the engine's worker over one more prefill run (a retry frees the cache and "
+          "synchronises the device):", "",
+          "| config | prefill tok/s | " + " | ".join(ALLOCATOR_COUNTERS) + " | reserved GB |",
+          "|---|---:|" + "---:|" * (len(ALLOCATOR_COUNTERS) + 1)]
+    for r in have:
+        d = r["prefill_allocator"]
+        md.append(f"| {r['config']} | {d.get('tok_s', '-')} | " + " | ".join(str(d.get(k, '-')) for k in ALLOCATOR_COUNTERS)
+                  + f" | {d.get('reserved_gb', '-')} |")
+    return md + [""]
+
+
 def report(out: Path) -> str:
     out = Path(out)
     results = load_results(out)
@@ -603,6 +656,7 @@ def report(out: Path) -> str:
                 md.append(f"| {r['config']} | {r.get('run', '')} | {r.get('startup_s', '-')} | " + " | ".join(cells)
                           + (f" | {pre:.0f} |" if pre else " | - |"))
             md += [""] + [f"- {line}" for line in checks(rows, engine, model)] + [""]
+            md += allocator_summary(rows)
             md += profile_summary(rows)
             for r in rows:
                 for b, prof in (r.get("profile") or {}).items():

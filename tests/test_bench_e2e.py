@@ -137,3 +137,23 @@ def test_prebuild_sglang_jit_imports_first_then_builds_each(tmp_path, monkeypatc
     assert mods.IMPORTED_ON == threading.current_thread().name
     assert mods.CALLS == [(torch.bfloat16, False)]
     assert "ready after" in lines[0] and lines[1].startswith("fakejit.missing.build(): not built (ModuleNotFoundError")
+
+
+def test_allocator_counters_around_a_prefill_run(tmp_path):
+    before = [dict.fromkeys(E.ALLOCATOR_COUNTERS, 3) | {"reserved_bytes": 1}, {}]
+    after = [dict.fromkeys(E.ALLOCATOR_COUNTERS, 3) | {"num_alloc_retries": 15, "num_device_alloc": 40,
+                                                      "reserved_bytes": 71_500_000_000}, {}]
+    d = E.allocator_delta(before, after)
+    assert d == {"num_alloc_retries": 12, "num_device_alloc": 37, "num_device_free": 0, "num_sync_all_streams": 0,
+                 "num_ooms": 0, "reserved_gb": 71.5}
+    rs = [_result("bf16", {1: 200}, 40000, prefill_allocator=dict(E.allocator_delta(before, before), tok_s=40100.0)),
+          _result("ours", {1: 300}, 39000, prefill_allocator=dict(d, tok_s=39100.0)),
+          _result("marlin", {1: 250}, 20000, prefill_allocator={"error": "RuntimeError: no pickling"})]
+    lines = E.allocator_summary(rs)
+    assert lines[2] == ("| config | prefill tok/s | num_alloc_retries | num_device_alloc | num_device_free | "
+                        "num_sync_all_streams | num_ooms | reserved GB |")
+    assert lines[4] == "| bf16 | 40100.0 | 0 | 0 | 0 | 0 | 0 | 0.0 |"
+    assert lines[5] == "| ours | 39100.0 | 12 | 37 | 0 | 0 | 0 | 71.5 |"
+    assert len(lines) == 7 and lines[6] == ""          # the failed diagnostic is left out, not a row of dashes
+    assert E.allocator_summary([_result("ours", {1: 1})]) == []
+    assert E._worker_allocator_counters(None).keys() == set(E.ALLOCATOR_COUNTERS) | {"reserved_bytes"}
