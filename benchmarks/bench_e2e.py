@@ -623,8 +623,8 @@ def allocator_summary(rows: list[dict]) -> list[str]:
           "|---|---:|" + "---:|" * (len(ALLOCATOR_COUNTERS) + 1)]
     for r in have:
         d = r["prefill_allocator"]
-        md.append(f"| {r['config']} | {d.get('tok_s', '-')} | " + " | ".join(str(d.get(k, '-')) for k in ALLOCATOR_COUNTERS)
-                  + f" | {d.get('reserved_gb', '-')} |")
+        cells = " | ".join(str(d.get(k, "-")) for k in ALLOCATOR_COUNTERS)
+        md.append(f"| {r['config']} | {d.get('tok_s', '-')} | {cells} | {d.get('reserved_gb', '-')} |")
     return md + [""]
 
 
