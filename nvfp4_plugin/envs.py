@@ -58,7 +58,7 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "on the device fails with the reasons. Read at every backend selection (ops._registry.select); the "
            "public ops select once per (op, device) and process"),
     EnvVar(LINEAR_BACKEND, "a linear backend name of nvfp4_plugin.layers (hopper_triton, flashinfer_fp4, "
-           "flashinfer_w4a16, reference)", "the first backend that supports the GPU and shape", "plugin",
+           "sgl_kernel_fp4, flashinfer_w4a16, reference)", "the first backend that supports the GPU and shape", "plugin",
            "forces the GEMM backend of the linear layers; read each time a layer chooses its backend (at "
            "construction) and by `nvfp4-plugin info --capability`"),
     EnvVar(MOE_BACKEND, "a fused-MoE backend name of nvfp4_plugin.layers", "the first backend that supports the "

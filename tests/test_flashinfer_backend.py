@@ -9,6 +9,7 @@ from nvfp4_plugin import reference
 from nvfp4_plugin.layers import LINEAR_BACKENDS
 from nvfp4_plugin.layers import base
 from nvfp4_plugin.layers.backends import flashinfer_fp4 as fb
+from nvfp4_plugin.layers.backends import sgl_kernel_fp4 as sb
 from nvfp4_plugin.layers.base import LinearSpec, choose_backend
 from nvfp4_plugin.weights import Nvfp4Weight
 
@@ -23,6 +24,7 @@ class _FlashInfer:
 def flashinfer(monkeypatch):
     monkeypatch.setattr(fb, "flashinfer_module", lambda: _FlashInfer)
     monkeypatch.setattr(fb, "flashinfer_w4a16_module", lambda: None)   # W4A16: tests/test_flashinfer_w4a16_backend.py
+    monkeypatch.setattr(sb, "sgl_kernel_module", lambda: None)         # sgl-kernel: tests/test_sgl_kernel_backend.py
     monkeypatch.delenv(fb.ENV_MM_BACKEND, raising=False)
     monkeypatch.delenv(base.ENV_LINEAR_BACKEND, raising=False)
     emu.calls.clear()

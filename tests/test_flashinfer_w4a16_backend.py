@@ -8,6 +8,7 @@ import torch
 from nvfp4_plugin.layers import LINEAR_BACKENDS
 from nvfp4_plugin.layers import base
 from nvfp4_plugin.layers.backends import flashinfer_fp4 as fb
+from nvfp4_plugin.layers.backends import sgl_kernel_fp4 as sb
 from nvfp4_plugin.layers.base import LinearSpec, choose_backend
 
 from .emulators import flashinfer_bf16_fp4 as emu
@@ -24,6 +25,7 @@ class _FlashInfer:
 @pytest.fixture
 def flashinfer(monkeypatch):
     monkeypatch.setattr(fb, "flashinfer_module", lambda: _FlashInfer)
+    monkeypatch.setattr(sb, "sgl_kernel_module", lambda: None)         # sgl-kernel: tests/test_sgl_kernel_backend.py
     monkeypatch.setenv(fb.ENV_W4A16_BACKEND, "cudnn")
     real_missing = fb.w4a16_backend_missing
     monkeypatch.setattr(fb, "w4a16_backend_missing", lambda be: None)   # no cuDNN / nvidia-cutlass-dsl on the CPU

@@ -17,13 +17,15 @@ from .backends.flashinfer_fp4 import FlashInferLinear, FlashInferW4A16Linear
 from .backends.flashinfer_moe import FlashInferCutlassMoe
 from .backends.hopper import HopperLinear, HopperMoe
 from .backends.reference import ReferenceLinear, ReferenceMoe
+from .backends.sgl_kernel_fp4 import SglKernelLinear
 from .base import (ENV_LINEAR_BACKEND, ENV_MOE_BACKEND, Backend, LinearSpec, MoeSpec, resolve_mode,
                    select_backend)
 
 logger = logging.getLogger("nvfp4_plugin")
 
 #: Priority order, fastest first; the reference is always last.
-LINEAR_BACKENDS: list[type[Backend]] = [HopperLinear, FlashInferLinear, FlashInferW4A16Linear, ReferenceLinear]
+LINEAR_BACKENDS: list[type[Backend]] = [HopperLinear, FlashInferLinear, SglKernelLinear, FlashInferW4A16Linear,
+                                         ReferenceLinear]
 MOE_BACKENDS: list[type[Backend]] = [HopperMoe, FlashInferCutlassMoe, ReferenceMoe]
 
 #: Layer shapes whose kernels :meth:`_Layer._warm` already compiled in this process.

@@ -96,7 +96,7 @@ def plan(capability: tuple[int, int], *, device_name: str | None = None, max_tok
         return rep
     if not todo:
         rep.lines.append(f"compile: nothing to compile for {sm(capability)}a (the chosen backends run torch "
-                         "operations or FlashInfer's kernels, which FlashInfer builds or ships itself)")
+                         "operations or the kernels FlashInfer and sgl-kernel build or ship themselves)")
         return rep
     from ..gemm import plan as gplan
 

@@ -110,7 +110,7 @@ def row_runs(global_scale: torch.Tensor) -> list[tuple[int, int]]:
     return runs
 
 
-def _join_runs(outs: list[torch.Tensor], bias, lead, n: int) -> torch.Tensor:
+def join_runs(outs: list[torch.Tensor], bias, lead, n: int) -> torch.Tensor:
     """The GEMM outputs of the runs of rows side by side (one compact ``[M, N]``), plus the bias, shaped
     ``[*lead, N]`` like the layer's input."""
     y = outs[0].contiguous() if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -197,7 +197,7 @@ class FlashInferLinear(FlashInferBackend):
         q, s = ops.scaled_fp4_quant(x2, t["input_global_scale"], swizzle=True)
         outs = [fi.mm_fp4(q, t[f"w{i}"].T, s, t[f"sf{i}"].T, t[f"alpha{i}"], x.dtype, backend=be)
                 for i in range(len(runs))]
-        return _join_runs(outs, bias, x.shape[:-1], n)
+        return join_runs(outs, bias, x.shape[:-1], n)
 
 
 class FlashInferW4A16Linear(FlashInferBackend):
@@ -255,10 +255,10 @@ class FlashInferW4A16Linear(FlashInferBackend):
         fi = flashinfer_w4a16_module()
         x2 = x.reshape(-1, k)
         if x2.shape[0] == 0:
-            return _join_runs([x2.new_empty((0, n))], bias, x.shape[:-1], n)
+            return join_runs([x2.new_empty((0, n))], bias, x.shape[:-1], n)
         if not x2.is_contiguous():      # both kernels take a compact [M, K] (cuDNN is handed the pointer alone)
             x2 = x2.contiguous()
         outs = [fi.mm_bf16_fp4(x2, t[f"w{i}"], t[f"sf{i}"], t[f"alpha{i}"] if has_alpha[i] else None,
                                backend=be, out_dtype=x.dtype)[:, :b - a]
                 for i, (a, b) in enumerate(runs)]
-        return _join_runs(outs, bias, x.shape[:-1], n)
+        return join_runs(outs, bias, x.shape[:-1], n)

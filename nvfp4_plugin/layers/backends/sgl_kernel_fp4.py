@@ -1,0 +1,96 @@
+"""Blackwell linear backend on sgl-kernel: our ``scaled_fp4_quant`` (activations to NVFP4, 128x4-swizzled
+scales), then sgl-kernel's CUTLASS FP4 tensor-core GEMM ``sgl_kernel.cutlass_scaled_fp4_mm``. It comes after
+FlashInfer's ``mm_fp4`` in the linear backends' order (:data:`nvfp4_plugin.layers.LINEAR_BACKENDS`), so it serves
+where sgl-kernel is installed and FlashInfer is not (an SGLang deployment). sm_100 / sm_103: sgl-kernel's CUDA 13
+wheels carry sm_100a and sm_103a code for these kernels. W4A4 checkpoints only (the GEMM multiplies NVFP4
+activations); weight-only checkpoints go to FlashInfer's ``mm_bf16_fp4`` or the reference backend.
+
+What is handed over follows the function's contract (sgl-kernel 0.4.5: ``python/sgl_kernel/gemm.py`` and the checks
+of ``csrc/gemm/nvfp4_scaled_mm_kernels.cu``): ``a`` the activation codes ``[M, K/2]`` uint8 and ``b`` the weight
+codes ``[N, K/2]`` uint8, both contiguous row-major (element 2i in the low nibble); ``block_scale_a`` /
+``block_scale_b`` float8_e4m3fn, contiguous, 128x4-swizzled, ``[round_up(M, 128), round_up(K/16, 4)]`` and
+``[round_up(N, 128), round_up(K/16, 4)]``; ``alpha`` one fp32 value on the device,
+``1 / (activation encode scale x weight encode scale)``; K and N multiples of 32; the output ``[M, N]`` in
+``out_dtype``.
+
+As in :mod:`.flashinfer_fp4`, each run of weight rows with one encode global scale (fused shards may differ) is
+its own GEMM with its own alpha; a run whose row count is not a multiple of 32 is padded at load time with zero
+rows (code 0, scale 0), whose output columns are sliced off.
+
+Not run on a Blackwell GPU here: tests/test_sgl_kernel_backend.py checks it on the CPU against an emulator of that
+contract, and the bytes handed over against our reference quantizer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import numerics as nx
+from ...weights import Nvfp4Weight
+from ..base import Backend
+from .flashinfer_fp4 import join_runs, row_runs
+
+#: cutlass_scaled_fp4_mm's alignment of N and K (elements)
+ALIGN = 32
+
+
+def sgl_kernel_module():
+    """``sgl_kernel`` if importable with ``cutlass_scaled_fp4_mm``, else None (tests put an emulator here)."""
+    try:
+        import sgl_kernel
+    except Exception:  # noqa: BLE001 - any import failure (no package, no CUDA driver) means "not available"
+        return None
+    return sgl_kernel if hasattr(sgl_kernel, "cutlass_scaled_fp4_mm") else None
+
+
+class SglKernelLinear(Backend):
+    name = "sgl_kernel_fp4"
+    family = "scaled_fp4_quant + sgl-kernel cutlass_scaled_fp4_mm"
+    archs = ((10, 0), (10, 3))
+
+    @classmethod
+    def unsupported_reason(cls, device, capability=None):
+        reason = super().unsupported_reason(device, capability)
+        if reason is None and sgl_kernel_module() is None:
+            reason = ("sgl_kernel (with cutlass_scaled_fp4_mm) is not importable: pip install sglang-kernel "
+                      "(what SGLang installs)")
+        return reason
+
+    @classmethod
+    def cannot_implement(cls, spec):
+        if spec.act_dtype not in (torch.bfloat16, torch.float16):
+            return f"activations must be bf16 or fp16, got {spec.act_dtype}"
+        if spec.mode != "w4a4":
+            return ("a weight-only checkpoint (no activation scales): cutlass_scaled_fp4_mm multiplies NVFP4 "
+                    "activations; use a calibrated checkpoint")
+        if spec.k % ALIGN:
+            return f"cutlass_scaled_fp4_mm needs K % {ALIGN} == 0, got K={spec.k}"
+        return None
+
+    def prepare(self, spec, weight: Nvfp4Weight, input_global_scale):
+        in_gs = input_global_scale.reshape(()).float()
+        t = {"input_global_scale": in_gs.reshape(1).contiguous()}
+        runs = row_runs(weight.global_scale)
+        for i, (a, b) in enumerate(runs):
+            codes, scales = weight.packed[a:b].contiguous(), weight.block_scale[a:b].contiguous()
+            pad = -(b - a) % ALIGN
+            if pad:
+                codes = torch.cat([codes, codes.new_zeros(pad, codes.shape[1])])
+                scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
+            t[f"w{i}"] = codes                                                             # [n_pad, K/2]
+            t[f"sf{i}"] = nx.swizzle_blockscale(scales).contiguous()                       # [round_up(n_pad, 128), ..]
+            t[f"alpha{i}"] = (1.0 / (in_gs * weight.global_scale[a].float())).reshape(1).contiguous()
+        return t, (tuple(runs), spec.n, spec.k)
+
+    def apply(self, t, meta, x, bias=None):
+        from ... import ops
+
+        runs, n, k = meta
+        x2 = x.reshape(-1, k)
+        if x2.shape[0] == 0:
+            return join_runs([x2.new_empty((0, n))], bias, x.shape[:-1], n)
+        sk = sgl_kernel_module()
+        q, s = ops.scaled_fp4_quant(x2, t["input_global_scale"], swizzle=True)
+        outs = [sk.cutlass_scaled_fp4_mm(q, t[f"w{i}"], s, t[f"sf{i}"], t[f"alpha{i}"], x.dtype)[:, :b - a]
+                for i, (a, b) in enumerate(runs)]
+        return join_runs(outs, bias, x.shape[:-1], n)
