@@ -52,25 +52,34 @@ def _truth(x, w: Nvfp4Weight, in_gs, bias=None):
     return y + bias.double() if bias is not None else y
 
 
-@pytest.mark.parametrize("shards", [(256,), (128, 64, 64), (96, 40)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_linear_through_mm_fp4_equals_the_reference(flashinfer, shards, dtype):
-    k, m = 512, 37
+#: fused shards (rows each, each with its own global scale): one run, three runs, runs not a multiple of 64 / 32
+SHARDS = [(256,), (128, 64, 64), (96, 40)]
+
+
+def run_w4a4_case(be, shards, dtype, lead=(37,), k=512):
+    """A W4A4 linear through backend ``be`` (prepare, then apply with and without bias) against the fp64
+    truth, within 2 output ulps; returns ``(w, x2, in_gs)`` (``x2``: the input as ``[M, K]``)."""
     w = _weight(shards, k)
     n = w.n
-    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    x = (torch.randn(*lead, k, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    x2 = x.reshape(-1, k)
     in_gs = nx.tensor_global_scale(x.float()).reshape(())
-    spec = LinearSpec(n, k, dtype, "w4a4", torch.device("cpu"))
-    be = fb.FlashInferLinear()
-    t, meta = be.prepare(spec, w, in_gs)
+    t, meta = be.prepare(LinearSpec(n, k, dtype, "w4a4", torch.device("cpu")), w, in_gs)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(dtype)
+    ulp = 2.0 ** (-8 if dtype == torch.bfloat16 else -11)
     for b in (None, bias):
         y = be.apply(t, meta, x, b)
-        assert y.shape == (m, n) and y.dtype == dtype
-        truth = _truth(x, w, in_gs, b)
-        scale = truth.abs().max().item()
-        ulp = 2.0 ** (-8 if dtype == torch.bfloat16 else -11)
-        assert (y.double() - truth).abs().max().item() <= 2 * ulp * scale
+        assert y.shape == (*lead, n) and y.dtype == dtype
+        truth = _truth(x2, w, in_gs, b)
+        assert (y.reshape(-1, n).double() - truth).abs().max().item() <= 2 * ulp * truth.abs().max().item()
+    return w, x2, in_gs
+
+
+@pytest.mark.parametrize("shards", SHARDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_through_mm_fp4_equals_the_reference(flashinfer, shards, dtype):
+    w, x, in_gs = run_w4a4_case(fb.FlashInferLinear(), shards, dtype)
+    k = x.shape[1]
     # one GEMM per run of rows with one global scale, each with its own alpha
     runs = fb.row_runs(w.global_scale)
     assert len(emu.calls) == 2 * len(runs) and len(runs) == len(set(w.global_scale.tolist()))

@@ -5,7 +5,6 @@ needed."""
 import pytest
 import torch
 
-from nvfp4_plugin import numerics as nx
 from nvfp4_plugin import reference
 from nvfp4_plugin.layers import LINEAR_BACKENDS
 from nvfp4_plugin.layers import base
@@ -14,7 +13,7 @@ from nvfp4_plugin.layers.backends import sgl_kernel_fp4 as sb
 from nvfp4_plugin.layers.base import LinearSpec, choose_backend
 
 from .emulators import sgl_kernel_fp4_mm as emu
-from .test_flashinfer_backend import _truth, _weight
+from .test_flashinfer_backend import SHARDS, _weight, run_w4a4_case
 
 
 class _SglKernel:
@@ -31,25 +30,11 @@ def sgl_kernel(monkeypatch):
     return _SglKernel
 
 
-@pytest.mark.parametrize("shards", [(256,), (128, 64, 64), (96, 40)])
+@pytest.mark.parametrize("shards", SHARDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_linear_through_cutlass_scaled_fp4_mm_equals_the_reference(sgl_kernel, shards, dtype):
-    k, m = 512, 37
-    w = _weight(shards, k)
-    n = w.n
-    x = (torch.randn(2, m, k, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
-    in_gs = nx.tensor_global_scale(x.float()).reshape(())
-    spec = LinearSpec(n, k, dtype, "w4a4", torch.device("cpu"))
-    be = sb.SglKernelLinear()
-    t, meta = be.prepare(spec, w, in_gs)
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(dtype)
-    x2 = x.reshape(-1, k)
-    for b in (None, bias):
-        y = be.apply(t, meta, x, b)
-        assert y.shape == (2, m, n) and y.dtype == dtype
-        truth = _truth(x2, w, in_gs, b)
-        ulp = 2.0 ** (-8 if dtype == torch.bfloat16 else -11)
-        assert (y.reshape(-1, n).double() - truth).abs().max().item() <= 2 * ulp * truth.abs().max().item()
+    w, x2, in_gs = run_w4a4_case(sb.SglKernelLinear(), shards, dtype, lead=(2, 37))
+    k = x2.shape[1]
     # one GEMM per run of rows with one global scale, each with its own alpha; runs padded to 32 rows
     runs = fb.row_runs(w.global_scale)
     assert len(emu.calls) == 2 * len(runs) and len(runs) == len(set(w.global_scale.tolist()))

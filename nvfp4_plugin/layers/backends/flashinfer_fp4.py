@@ -110,6 +110,16 @@ def row_runs(global_scale: torch.Tensor) -> list[tuple[int, int]]:
     return runs
 
 
+def pad_rows(codes: torch.Tensor, scales: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A run's codes ``[n, K/2]`` and block scales ``[n, K/16]`` with zero rows (code 0, scale 0) appended up to a
+    multiple of ``multiple`` rows, for kernels that tile N; their output columns are sliced off (load time)."""
+    pad = -codes.shape[0] % multiple
+    if not pad:
+        return codes, scales
+    return (torch.cat([codes, codes.new_zeros(pad, codes.shape[1])]),
+            torch.cat([scales, scales.new_zeros(pad, scales.shape[1])]))
+
+
 def join_runs(outs: list[torch.Tensor], bias, lead, n: int) -> torch.Tensor:
     """The GEMM outputs of the runs of rows side by side (one compact ``[M, N]``), plus the bias, shaped
     ``[*lead, N]`` like the layer's input."""
@@ -126,24 +136,27 @@ def _row_bytes_reason(entry_point: str, spec) -> str | None:
     return None
 
 
-class FlashInferBackend(Backend):
-    """What the FlashInfer-backed Blackwell backends share: the GPUs FlashInfer ships these kernels for, the
-    package importable with the entry point the backend calls, NVFP4 activations (W4A4) from bf16 / fp16."""
+class ProviderBackend(Backend):
+    """What the Blackwell backends that call another package's FP4 kernels share (FlashInfer, sgl-kernel): the
+    GPUs those packages ship the kernels for, the package importable with the entry point the backend calls,
+    NVFP4 activations (W4A4) from bf16 / fp16."""
 
     archs = ((10, 0), (10, 3))
-    #: the FlashInfer function the backend calls (named in the refusal when it is not importable)
+    #: the package as imported, the function the backend calls, how to install it (named in refusals)
+    provider = ""
     entry_point = ""
+    install_hint = ""
 
     @staticmethod
     def _module():
-        """The flashinfer module if importable with :attr:`entry_point`, else None (tests put emulators here)."""
+        """The provider's module if importable with :attr:`entry_point`, else None (tests put emulators here)."""
         raise NotImplementedError
 
     @classmethod
     def unsupported_reason(cls, device, capability=None):
         reason = super().unsupported_reason(device, capability)
         if reason is None and cls._module() is None:
-            reason = f"flashinfer (with {cls.entry_point}) is not importable: pip install 'nvfp4-plugin[blackwell]'"
+            reason = f"{cls.provider} (with {cls.entry_point}) is not importable: {cls.install_hint}"
         return reason
 
     @classmethod
@@ -157,8 +170,15 @@ class FlashInferBackend(Backend):
 
     @classmethod
     def _shape_reason(cls, spec) -> str | None:
-        """Why the FlashInfer kernel cannot take this layer shape, or None."""
+        """Why the provider's kernel cannot take this layer shape, or None."""
         return None
+
+
+class FlashInferBackend(ProviderBackend):
+    """The FlashInfer-backed Blackwell backends."""
+
+    provider = "flashinfer"
+    install_hint = "pip install 'nvfp4-plugin[blackwell]'"
 
 
 class FlashInferLinear(FlashInferBackend):
@@ -239,10 +259,8 @@ class FlashInferW4A16Linear(FlashInferBackend):
         for i, (a, b) in enumerate(runs):
             alpha = (1.0 / weight.global_scale[a].float()).reshape(1).contiguous()        # the decode scale
             codes, scales = weight.packed[a:b].contiguous(), weight.block_scale[a:b].contiguous()
-            pad = -(b - a) % CUTE_DSL_N if be == "cute-dsl" else 0
-            if pad:     # the cute-dsl kernel tiles N by 64: zero rows (code 0, scale 0), their columns sliced off
-                codes = torch.cat([codes, codes.new_zeros(pad, codes.shape[1])])
-                scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
+            if be == "cute-dsl":        # the cute-dsl kernel tiles N by 64
+                codes, scales = pad_rows(codes, scales, CUTE_DSL_N)
             w, sf, al = fi.prepare_bf16_fp4_weights(codes, nx.swizzle_blockscale(scales), alpha, backend=be)
             t[f"w{i}"], t[f"sf{i}"] = w, sf
             if al is not None:

@@ -23,12 +23,10 @@ contract, and the bytes handed over against our reference quantizer.
 
 from __future__ import annotations
 
-import torch
 
 from ... import numerics as nx
 from ...weights import Nvfp4Weight
-from ..base import Backend
-from .flashinfer_fp4 import join_runs, row_runs
+from .flashinfer_fp4 import ProviderBackend, join_runs, pad_rows, row_runs
 
 #: cutlass_scaled_fp4_mm's alignment of N and K (elements)
 ALIGN = 32
@@ -43,26 +41,19 @@ def sgl_kernel_module():
     return sgl_kernel if hasattr(sgl_kernel, "cutlass_scaled_fp4_mm") else None
 
 
-class SglKernelLinear(Backend):
+class SglKernelLinear(ProviderBackend):
     name = "sgl_kernel_fp4"
     family = "scaled_fp4_quant + sgl-kernel cutlass_scaled_fp4_mm"
-    archs = ((10, 0), (10, 3))
+    provider = "sgl_kernel"
+    entry_point = "cutlass_scaled_fp4_mm"
+    install_hint = "pip install sglang-kernel (what SGLang installs)"
+
+    @staticmethod
+    def _module():
+        return sgl_kernel_module()
 
     @classmethod
-    def unsupported_reason(cls, device, capability=None):
-        reason = super().unsupported_reason(device, capability)
-        if reason is None and sgl_kernel_module() is None:
-            reason = ("sgl_kernel (with cutlass_scaled_fp4_mm) is not importable: pip install sglang-kernel "
-                      "(what SGLang installs)")
-        return reason
-
-    @classmethod
-    def cannot_implement(cls, spec):
-        if spec.act_dtype not in (torch.bfloat16, torch.float16):
-            return f"activations must be bf16 or fp16, got {spec.act_dtype}"
-        if spec.mode != "w4a4":
-            return ("a weight-only checkpoint (no activation scales): cutlass_scaled_fp4_mm multiplies NVFP4 "
-                    "activations; use a calibrated checkpoint")
+    def _shape_reason(cls, spec):
         if spec.k % ALIGN:
             return f"cutlass_scaled_fp4_mm needs K % {ALIGN} == 0, got K={spec.k}"
         return None
@@ -72,11 +63,7 @@ class SglKernelLinear(Backend):
         t = {"input_global_scale": in_gs.reshape(1).contiguous()}
         runs = row_runs(weight.global_scale)
         for i, (a, b) in enumerate(runs):
-            codes, scales = weight.packed[a:b].contiguous(), weight.block_scale[a:b].contiguous()
-            pad = -(b - a) % ALIGN
-            if pad:
-                codes = torch.cat([codes, codes.new_zeros(pad, codes.shape[1])])
-                scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
+            codes, scales = pad_rows(weight.packed[a:b].contiguous(), weight.block_scale[a:b].contiguous(), ALIGN)
             t[f"w{i}"] = codes                                                             # [n_pad, K/2]
             t[f"sf{i}"] = nx.swizzle_blockscale(scales).contiguous()                       # [round_up(n_pad, 128), ..]
             t[f"alpha{i}"] = (1.0 / (in_gs * weight.global_scale[a].float())).reshape(1).contiguous()
