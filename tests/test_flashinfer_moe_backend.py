@@ -392,3 +392,137 @@ def test_b200_forward_replays_in_a_cuda_graph(monkeypatch):
     torch.cuda.synchronize()
     assert torch.equal(out, layer(xs, ws, ids)) or \
         ((out.double() - layer(xs, ws, ids).double()).norm() / out.double().norm()).item() < 1e-3
+
+
+# ------------------------------------------------------------------------------------------------
+# The masked layout (expert-parallel low-latency dispatch) through FlashInfer's CuTe-DSL masked GEMM
+# ------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def masked_gemm(monkeypatch):
+    """The masked kernel replaced by the bridge's emulation of its contract (rounded to the output dtype); the
+    environment check (nvidia-cutlass-dsl, FlashInfer's kernel module) satisfied."""
+    from nvfp4_plugin import cute_bridge as cb
+
+    calls = []
+
+    def run(operands, *, out=None, **kw):
+        cb.check_masked_operands(operands)
+        calls.append(operands)
+        y = cb.reference_grouped_gemm(operands).to(operands.out_dtype)
+        return y if out is None else out.copy_(y)
+
+    monkeypatch.setattr(cb, "run_grouped_gemm", run)
+    monkeypatch.setattr(fm, "masked_gemm_missing", lambda: None)
+    return calls
+
+
+@pytest.mark.parametrize("per_expert_a13", [False, True], ids=["shared_a13", "per_expert_a13"])
+def test_masked_layout_through_the_cute_dsl_masked_gemm(flashinfer, masked_gemm, per_expert_a13):
+    from nvfp4_plugin import cute_bridge as cb
+
+    dtype, max_m = torch.bfloat16, 9
+    w13, w2 = _weights(3)
+    _, _, _, a13, a2 = _inputs(4, dtype, w13, per_expert_a13=per_expert_a13)
+    x = (torch.randn(E, max_m, H, generator=torch.Generator().manual_seed(5)) * 2).to(dtype)
+    mask = torch.tensor([0, 1, 9, 4, 12, 7], dtype=torch.int32)           # 12: more than max_m acts as max_m
+    spec = MoeSpec(E, H, I, dtype, "w4a4", CPU)
+    be = fm.FlashInferCutlassMoe()
+    t, meta = be.prepare(spec, w13, w2, a13, a2)
+    assert be.masked_unsupported(meta) is None
+    out = torch.full_like(x, 7.0)
+    be.apply_masked(t, meta, x, mask, out)
+    ref_be = ReferenceMoe()
+    rt, rmeta = ref_be.prepare(spec, w13, w2, a13, a2)
+    out_ref = torch.full_like(x, 7.0)
+    ref_be.apply_masked(rt, rmeta, x, mask, out_ref)
+    rows = mask.clamp(max=max_m).tolist()
+    valid = torch.arange(max_m)[None, :] < torch.tensor(rows)[:, None]
+    assert (out[~valid] == 7.0).all()                                      # rows past the mask left as they were
+    assert not emu.calls                                                   # cutlass_fused_moe is not involved
+
+    # --- bit-exact: what the two GEMMs are handed ----------------------------------------------------------------
+    g1, g2 = masked_gemm
+    assert g1.b.data_ptr() == t["fc1_weight"].data_ptr() and g2.b.data_ptr() == t["fc2_weight"].data_ptr()
+    assert g1.sfb.data_ptr() == t["fc1_weight_sf"].data_ptr() and g2.sfb.data_ptr() == t["fc2_weight_sf"].data_ptr()
+    assert torch.equal(g1.alpha, t["fc1_alpha"]) and torch.equal(g2.alpha, t["fc2_alpha"])
+    assert torch.equal(g1.masked_m, mask) and torch.equal(g2.masked_m, mask)
+    h = cb.reference_grouped_gemm(g1).to(dtype)                            # [E, max_m, 2I], FlashInfer's [up | gate]
+    for e, m in enumerate(rows):
+        if not m:
+            continue
+        for g, src, gs in ((g1, x[e, :m], a13[e]),
+                           (g2, nx.silu_and_mul_fp32(torch.cat((h[e, :m, I:], h[e, :m, :I]), -1)), a2[e])):
+            q, s = reference.scaled_fp4_quant(src, gs.reshape(1), swizzle=False)
+            k = src.shape[1]
+            assert torch.equal(cb.as_packed_bytes(g.a).permute(2, 0, 1)[e, :m], q)
+            lin = nx.unswizzle_blockscale(g.sfa[e], max_m, k // 16)[:m]
+            assert torch.equal(lin.view(torch.uint8), s.view(torch.uint8))
+
+    # --- the layer output against the reference backend's masked path (GEMM rounding apart, as above) --------------
+    err = (out[valid].double() - out_ref[valid].double()).norm() / out_ref[valid].double().norm()
+    assert err < 3e-2, err
+
+
+def test_masked_layout_availability(flashinfer, monkeypatch):
+    """The layer takes the masked layout only where its GEMM can run, and says why not; a layer whose weights sent it
+    to the reference path keeps the reference's masked path."""
+    monkeypatch.setenv(base.ENV_ACT_MODE, "w4a4")
+    monkeypatch.setattr(api, "select_backend", lambda kind, reg, spec, env: fm.FlashInferCutlassMoe())
+    w13, w2 = _weights(7)
+    _, _, _, a13, a2 = _inputs(8, torch.bfloat16, w13, per_expert_a13=False, m=5)
+    layer = Nvfp4FusedMoE(w13, w2, a13, a2)
+    monkeypatch.setattr(fm, "masked_gemm_missing", lambda: "its GEMM needs nvidia-cutlass-dsl")
+    assert not layer.supports_masked
+    x = torch.zeros(E, 4, H, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="flashinfer_cutlass_moe': its GEMM needs nvidia-cutlass-dsl"):
+        layer.forward_masked(x, torch.ones(E, dtype=torch.int32))
+    monkeypatch.setattr(fm, "masked_gemm_missing", lambda: None)
+    assert layer.supports_masked
+    w13d, w2d = _weights(7, gate_up_ratio=2.0)                              # not exact with one alpha: reference path
+    ref_layer = Nvfp4FusedMoE(w13d, w2d, a13, a2)
+    monkeypatch.setattr(fm, "masked_gemm_missing", lambda: "no DSL")
+    assert ref_layer.meta.path == fm.PATH_REFERENCE and ref_layer.supports_masked
+    out = ref_layer.forward_masked(torch.randn(E, 4, H).bfloat16(), torch.full((E,), 2, dtype=torch.int32))
+    assert out.shape == (E, 4, H)
+    # without the DSL installed, the real check names it (this CPU machine has no nvidia-cutlass-dsl)
+    import importlib.util
+    if importlib.util.find_spec("cutlass") is None:
+        monkeypatch.undo()
+        assert "nvidia-cutlass-dsl" in fm.masked_gemm_missing()
+
+
+@pytest.mark.sm100
+def test_b200_masked_layout_against_the_reference_and_in_a_cuda_graph(monkeypatch):
+    """The masked layout on the real CuTe-DSL kernel: the layer output against the reference backend's masked path
+    (bounds as for the standard path), rows past the mask untouched, and a CUDA-graph replay equal to eager."""
+    pytest.importorskip("cutlass")
+    pytest.importorskip("flashinfer.gemm.kernels.grouped_gemm_masked_blackwell")
+    monkeypatch.delenv(base.ENV_MOE_BACKEND, raising=False)
+    monkeypatch.delenv(base.ENV_ACT_MODE, raising=False)
+    dev = torch.device("cuda")
+    w13, w2 = _weights(30)
+    _, _, _, a13, a2 = _inputs(31, torch.bfloat16, w13, per_expert_a13=True)
+    layer = Nvfp4FusedMoE(w13.to(dev), w2.to(dev), a13.to(dev), a2.to(dev))
+    assert layer.backend.name == "flashinfer_cutlass_moe" and layer.supports_masked
+    max_m = 128
+    x = (torch.randn(E, max_m, H) * 2).bfloat16().to(dev)
+    mask = torch.tensor([0, 1, 17, 64, 128, 100], dtype=torch.int32, device=dev)
+    out = torch.full_like(x, 7.0)
+    layer.forward_masked(x, mask, out=out)
+    spec = MoeSpec(E, H, I, torch.bfloat16, "w4a4", dev)
+    rt, rm = ReferenceMoe().prepare(spec, w13.to(dev), w2.to(dev), a13.to(dev), a2.to(dev))
+    ref = torch.full_like(x, 7.0)
+    ReferenceMoe().apply_masked(rt, rm, x, mask, ref)
+    valid = torch.arange(max_m, device=dev)[None, :] < mask.long()[:, None]
+    assert (out[~valid] == 7.0).all()
+    rel = ((out[valid].double() - ref[valid].double()).norm() / ref[valid].double().norm()).item()
+    print(f"B200 masked layout: vs reference rel {rel:.2e}")
+    assert rel < 3e-2
+    static = torch.full_like(x, 7.0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer.forward_masked(x, mask, out=static)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static[valid], out[valid])

@@ -209,7 +209,7 @@ def test_masked_argument_errors(monkeypatch):
     with pytest.raises(ValueError, match=r"out: expected torch.bfloat16 \[4, 6, 64\]"):
         moe.forward_masked(x, mask, out=torch.empty(4, 5, 64, dtype=torch.bfloat16, device=DEV))
 
-    class NoMasked:                                     # a backend without apply_masked (flashinfer_cutlass_moe)
+    class NoMasked:                                     # a backend without apply_masked
         name = "flashinfer_cutlass_moe"
 
     moe.backend = NoMasked()

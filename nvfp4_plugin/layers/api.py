@@ -134,8 +134,16 @@ class Nvfp4FusedMoE(_Layer):
 
     @property
     def supports_masked(self) -> bool:
-        """Whether the selected backend computes the masked layout (:meth:`forward_masked`)."""
-        return callable(getattr(self.backend, "apply_masked", None))
+        """Whether the selected backend computes the masked layout (:meth:`forward_masked`) here."""
+        return self.masked_unsupported_reason() is None
+
+    def masked_unsupported_reason(self) -> str | None:
+        """Why :meth:`forward_masked` cannot run with the selected backend in this environment, or None."""
+        if not callable(getattr(self.backend, "apply_masked", None)):
+            return f"fused MoE backend {self.backend.name!r} has no masked-layout path"
+        check = getattr(self.backend, "masked_unsupported", None)
+        why = check(self.meta) if callable(check) else None
+        return None if why is None else f"the masked layout of fused MoE backend {self.backend.name!r}: {why}"
 
     def forward_masked(self, x: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The masked layout of expert-parallel dispatch: for each expert ``e`` and row ``r < mask[e]``,
@@ -148,10 +156,10 @@ class Nvfp4FusedMoE(_Layer):
               are left untouched. Allocated (uninitialized) when not given. Returns ``out``.
         """
         s = self.spec
-        if not self.supports_masked:
-            raise NotImplementedError(f"fused MoE backend {self.backend.name!r} has no masked-layout path "
-                                      "(expert-parallel low-latency dispatch); backends with one: hopper_triton, "
-                                      "reference")
+        why = self.masked_unsupported_reason()
+        if why is not None:
+            raise NotImplementedError(f"{why} (expert-parallel low-latency dispatch); backends with one: "
+                                      "hopper_triton, flashinfer_cutlass_moe (with nvidia-cutlass-dsl), reference")
         if x.dim() != 3 or x.shape[0] != s.num_experts or x.shape[2] != s.hidden:
             raise ValueError(f"x: expected [E={s.num_experts}, max_m, H={s.hidden}], got {tuple(x.shape)}")
         if x.dtype != s.act_dtype:

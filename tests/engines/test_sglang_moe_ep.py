@@ -220,3 +220,27 @@ def test_quantized_dispatch_and_other_all2all_backends_are_refused(tp1):
             with pytest.raises(NotImplementedError, match=rf"--quantization nvfp4 takes --moe-a2a-backend none or "
                                                           rf"deepep \(got '{backend.value}'\)"):
                 make_moe()
+
+
+@pytest.mark.parametrize("deepep_mode", ["auto", "low_latency", "normal"])
+def test_deepep_low_latency_needs_a_masked_path_at_load(tp1, monkeypatch, deepep_mode):
+    """A layer whose backend cannot take the masked layout (e.g. on Blackwell without nvidia-cutlass-dsl) fails
+    at load under DeepEP's low-latency (or auto) mode, naming the reason, not at the first decode step."""
+    from sglang.srt.layers.moe.utils import DeepEPMode
+
+    from nvfp4_plugin.layers import Nvfp4FusedMoE
+
+    _, ckpt, x, tw, ti = tp1(5, "w4a16")
+    monkeypatch.setattr(Nvfp4FusedMoE, "masked_unsupported_reason", lambda self: "its GEMM needs nvidia-cutlass-dsl")
+    fake = FakeDeepEP(0, deepep_mode != "normal")
+    import sglang.srt.layers.moe.fused_moe_triton.layer as fl
+
+    with get_flags().moe.override(a2a_backend=MoeA2ABackend.DEEPEP, deepep_mode=DeepEPMode(deepep_mode)), \
+            simulated_tp(EP, 0, ep_size=EP), mock.patch.object(fl, "create_moe_dispatcher", lambda cfg: fake):
+        moe = make_moe(FusedMoE)
+        if deepep_mode == "normal":
+            load_experts(moe, ckpt)                                   # normal dispatch only: the standard path
+            return
+        with pytest.raises(NotImplementedError, match="DeepEP's low-latency dispatch hands the masked layout, and "
+                                                      "its GEMM needs nvidia-cutlass-dsl; use --deepep-mode normal"):
+            load_experts(moe, ckpt)

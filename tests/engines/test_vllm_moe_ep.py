@@ -230,5 +230,5 @@ def test_batched_format_needs_a_backend_with_a_masked_path(monkeypatch):
 
     monkeypatch.setattr(core, "backend", NoMasked())
     with pytest.raises(NotImplementedError, match="BatchedPrepareAndFinalize hands the batched-experts .* backend "
-                                                  "'flashinfer_cutlass_moe' has no masked path"):
+                                                  "'flashinfer_cutlass_moe' has no masked-layout path"):
         ep.make_moe_kernel(batched_pf(experts), core, experts.moe_config)

@@ -73,9 +73,16 @@ class Nvfp4SglangFusedMoEMethod(Nvfp4FusedMoEMethod, FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         super().process_weights_after_loading(layer)
-        from sglang.srt.layers.moe.utils import get_moe_a2a_backend
+        from sglang.srt.layers.moe.utils import get_deepep_mode, get_moe_a2a_backend
 
         if get_moe_a2a_backend().is_deepep():
+            why = layer.nvfp4_core.masked_unsupported_reason()
+            if why is not None and get_deepep_mode().enable_low_latency():
+                # fail at load, not at the first low-latency decode step
+                raise NotImplementedError(f"{layer_prefix(layer)}: DeepEP's low-latency dispatch hands the masked "
+                                          f"layout, and {why}; use --deepep-mode normal, or a backend with a masked "
+                                          "path (hopper_triton on Hopper, flashinfer_cutlass_moe with "
+                                          "nvidia-cutlass-dsl on Blackwell)")
             # DeepEP's dispatcher quantizes to FP8 by default (our layer takes bf16 and quantizes itself),
             # and SGLang's DeepEPMoE sends only the methods it knows through the quant method's apply
             layer.dispatcher.set_quant_config({"dispatcher_output_dtype": "bf16"})

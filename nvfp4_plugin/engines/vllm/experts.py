@@ -107,12 +107,13 @@ def make_moe_kernel(prepare_finalize, core, moe_config) -> tuple[mk.FusedMoEKern
     since vLLM reads only their leading sizes (expert count, intermediate width)."""
     s = core.spec
     if prepare_finalize.activation_format == mk.FusedMoEActivationFormat.BatchedExperts:
-        if not core.supports_masked:
+        why = core.masked_unsupported_reason()
+        if why is not None:
             raise NotImplementedError(
-                f"{type(prepare_finalize).__name__} hands the batched-experts (masked) layout, and the nvfp4 "
-                f"fused-MoE backend {core.backend.name!r} has no masked path; use an --all2all-backend with "
-                "the standard format (allgather_reducescatter, deepep_high_throughput) or a GPU whose "
-                "backend has one (hopper_triton)")
+                f"{type(prepare_finalize).__name__} hands the batched-experts (masked) layout, and {why}; use an "
+                "--all2all-backend with the standard format (allgather_reducescatter, deepep_high_throughput) or a "
+                "backend with a masked path (hopper_triton on Hopper, flashinfer_cutlass_moe with "
+                "nvidia-cutlass-dsl on Blackwell)")
         experts = Nvfp4BatchedExperts(core, moe_config, max_num_tokens=prepare_finalize.max_num_tokens_per_rank(),
                                       num_dispatchers=prepare_finalize.num_dispatchers())
     else:

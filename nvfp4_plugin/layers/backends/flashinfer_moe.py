@@ -48,8 +48,19 @@ Exactness, decided at load time (``prepare``), logged:
   or reduces into the output with atomic adds (fused-finalize GEMM epilogue). So the output is not
   bit-comparable with the reference; tests/test_flashinfer_moe_backend.py bounds each stage.
 
+The masked layout (expert-parallel low-latency dispatch, ``x [E, max_m, H]`` + valid rows per expert;
+:meth:`FlashInferCutlassMoe.apply_masked`) runs on the same prepared weights through FlashInfer's CuTe-DSL masked
+grouped GEMM ``grouped_gemm_nt_masked`` (:mod:`nvfp4_plugin.cute_bridge`; needs ``nvidia-cutlass-dsl``): our
+masked quantization of ``x`` with each expert's a13, GEMM1 on fc1 (its rows are ``[up; gate]``, so its output
+halves are swapped back with one copy), our fused SiLU-and-mul masked quantization with each expert's a2, GEMM2
+on fc2, then the valid rows into ``out``. No second copy of the weights: fc1 / fc2 and their swizzled scales are
+the masked kernel's B operands as they are (K-major codes, per-expert 128x4 swizzle). Alpha per expert as
+above; the kernel compiles once per (experts, max_m, N, K) on its first call, which must come before CUDA-graph
+capture (the engines' dummy runs do that).
+
 Not run on a Blackwell GPU here: tests check it on the CPU against an emulator of that contract
-(tests/emulators/flashinfer_cutlass_moe.py), and our bytes handed over against the reference.
+(tests/emulators/flashinfer_cutlass_moe.py; the masked GEMM against the bridge's contract emulation
+``reference_grouped_gemm``), and our bytes handed over against the reference.
 """
 
 from __future__ import annotations
@@ -82,6 +93,23 @@ def flashinfer_module():
     except Exception:  # noqa: BLE001 - any import failure means "not available"
         return None
     return fused_moe if hasattr(fused_moe, "cutlass_fused_moe") else None
+
+
+def masked_gemm_missing() -> str | None:
+    """Why the masked layout's GEMM (FlashInfer's CuTe-DSL ``grouped_gemm_nt_masked``) cannot run in this
+    environment, or None (checked when an engine asks whether the layer takes the masked layout)."""
+    import importlib.util
+
+    from ...cute_bridge import MASKED_KERNEL_MODULE
+
+    if importlib.util.find_spec("cutlass") is None:
+        return "its GEMM, FlashInfer's CuTe-DSL grouped_gemm_nt_masked, needs nvidia-cutlass-dsl (pip install " \
+               "nvidia-cutlass-dsl)"
+    try:
+        found = importlib.util.find_spec(MASKED_KERNEL_MODULE) is not None
+    except Exception as exc:  # noqa: BLE001 - a parent package that fails to import
+        return f"{MASKED_KERNEL_MODULE} is not importable ({type(exc).__name__}: {exc})"
+    return None if found else f"this flashinfer has no {MASKED_KERNEL_MODULE}"
 
 
 @dataclass(frozen=True)
@@ -164,6 +192,7 @@ class FlashInferCutlassMoe(FlashInferBackend):
             "fc1_weight_sf": nx.swizzle_blockscale(swap_gate_up(w13.block_scale, i)).contiguous().view(torch.int32),
             "fc1_alpha": (1.0 / (a13 * g13)).contiguous(),
             "fc1_act_scale": a13[0].clone() if shared else a13,                                   # [] or [E]
+            "fc1_act_scale_e": a13,                                             # [E], the masked path's
             "fc2_weight": w2.packed.contiguous().view(torch.int64),                               # [E, H, I/16]
             "fc2_weight_sf": nx.swizzle_blockscale(w2.block_scale.contiguous()).contiguous().view(torch.int32),
             "fc2_alpha": (1.0 / (a2 * g2)).contiguous(),
@@ -196,7 +225,43 @@ class FlashInferCutlassMoe(FlashInferBackend):
             t["fc1_weight"], t["fc2_weight"], x.dtype, quant_scales, input_sf=input_sf, output=out)
         return out
 
+    def masked_unsupported(self, meta: _Meta) -> str | None:
+        """Why :meth:`apply_masked` cannot run here, or None."""
+        return None if meta.path == PATH_REFERENCE else masked_gemm_missing()
+
+    def apply_masked(self, t, meta: _Meta, x, mask, out):
+        """The masked layout (module docstring): ``out[e, r] = W2[e] silu_mul(W13[e] x[e, r])`` for ``r < mask[e]``;
+        rows at or past ``mask[e]`` are left as they are. No host synchronization, no routing."""
+        if meta.path == PATH_REFERENCE:
+            return _REFERENCE.apply_masked(t, meta.reference_meta, x, mask, out)
+        from ... import cute_bridge as cb
+
+        num_e, max_m, _ = x.shape
+        inter = t["fc2_weight"].shape[2] * 16
+        acts = cb.quantize_masked(x.contiguous(), t["fc1_act_scale_e"], mask)
+        h = cb.run_grouped_gemm(_masked_operands(acts, t["fc1_weight"], t["fc1_weight_sf"], t["fc1_alpha"], x.dtype))
+        h = torch.cat((h[..., inter:], h[..., :inter]), dim=-1)                      # [up | gate] -> [gate | up]
+        acts2 = cb.quantize_masked(h, t["fc2_act_scale"], mask, use_silu_and_mul=True)
+        y = cb.run_grouped_gemm(_masked_operands(acts2, t["fc2_weight"], t["fc2_weight_sf"], t["fc2_alpha"], x.dtype))
+        valid = torch.arange(max_m, device=x.device)[None, :] < mask.to(torch.int64)[:, None]
+        out.copy_(torch.where(valid[..., None], y, out))
+
     def warmup_sizes(self, t, meta, max_tokens, **kw):
         # The first call loads FlashInfer's compiled module (builds it where flashinfer-jit-cache has none);
         # no size compiles anything further, so one start-up forward keeps that from a request's path.
         return [] if meta.path == PATH_REFERENCE or max_tokens < 1 else [1]
+
+
+def _masked_operands(acts, weight_i64: torch.Tensor, weight_sf_i32: torch.Tensor, alpha: torch.Tensor,
+                     out_dtype: torch.dtype):
+    """The masked kernel's operands (:class:`~nvfp4_plugin.cute_bridge.MaskedGemmOperands`) from our masked
+    activations and this backend's prepared fc1 / fc2 (int64 views of row-major codes ``[E, N, K/16]``, int32
+    views of per-expert swizzled scales): the same bytes, viewed as the kernel's K-major float4 B and E4M3 SFB."""
+    from ... import cute_bridge as cb
+
+    b = cb.as_float4(weight_i64.view(torch.uint8)).permute(1, 2, 0)                # (N, K/2, E)
+    ops_ = cb.MaskedGemmOperands(a=cb.as_float4(acts.packed).permute(1, 2, 0), b=b, sfa=acts.scale,
+                                 sfb=weight_sf_i32.view(torch.float8_e4m3fn), masked_m=acts.masked_m, alpha=alpha,
+                                 out_dtype=out_dtype)
+    cb.check_masked_operands(ops_)
+    return ops_
