@@ -63,13 +63,14 @@ def test_no_tokens_launch_nothing(sgl_kernel):
 
 def test_selection_on_blackwell_without_flashinfer(sgl_kernel, monkeypatch):
     spec4 = LinearSpec(4096, 4096, torch.bfloat16, "w4a4", torch.device("cuda"))
-    for cap in ((10, 0), (10, 3)):
-        cls, skipped = choose_backend("linear", LINEAR_BACKENDS, spec4, base.ENV_LINEAR_BACKEND, cap)
-        assert cls is sb.SglKernelLinear and "not importable" in dict(skipped)["flashinfer_fp4"]
+    cls, skipped = choose_backend("linear", LINEAR_BACKENDS, spec4, base.ENV_LINEAR_BACKEND, (10, 0))
+    assert cls is sb.SglKernelLinear and "not importable" in dict(skipped)["flashinfer_fp4"]
+    cls, skipped = choose_backend("linear", LINEAR_BACKENDS, spec4, base.ENV_LINEAR_BACKEND, (10, 3))
+    assert cls.name == "reference" and dict(skipped)["sgl_kernel_fp4"] == "runs on sm_100 only, the GPU is sm_103"
     cls, _ = choose_backend("linear", LINEAR_BACKENDS, spec4, base.ENV_LINEAR_BACKEND, (9, 0))
     assert cls.name == "hopper_triton"                                # Hopper unchanged
     cls, skipped = choose_backend("linear", LINEAR_BACKENDS, spec4, base.ENV_LINEAR_BACKEND, (12, 0))
-    assert cls.name == "reference" and "runs on sm_100, sm_103 only" in dict(skipped)["sgl_kernel_fp4"]
+    assert cls.name == "reference" and "runs on sm_100 only" in dict(skipped)["sgl_kernel_fp4"]
     spec16 = LinearSpec(4096, 4096, torch.bfloat16, "w4a16", torch.device("cuda"))
     cls, skipped = choose_backend("linear", LINEAR_BACKENDS, spec16, base.ENV_LINEAR_BACKEND, (10, 0))
     assert cls.name == "reference" and "weight-only checkpoint" in dict(skipped)["sgl_kernel_fp4"]
@@ -108,13 +109,17 @@ def test_the_emulator_refuses_what_the_contract_refuses():
 
 @pytest.mark.gpu
 def test_installed_sgl_kernel_has_the_signature_we_call():
-    """Where sgl-kernel imports (the GPU machine with the SGLang bundle; it needs a CUDA driver), its
-    cutlass_scaled_fp4_mm takes the arguments the backend and the emulator pass, in that order."""
+    """Where an sgl-kernel with cutlass_scaled_fp4_mm imports (it needs a CUDA driver), the function takes the
+    arguments the backend and the emulator pass, in that order (checked by hand on sgl-kernel 0.3.21's wheel:
+    (a, b, block_scale_a, block_scale_b, alpha, out_dtype)). The SGLang bundle's sglang-kernel 0.4.5 has none."""
     import inspect
 
     from ._require import require
 
     sgl_kernel = require("sgl_kernel")
+    if not hasattr(sgl_kernel, "cutlass_scaled_fp4_mm"):
+        assert sb.sgl_kernel_module() is None                   # never selected where the function is missing
+        pytest.skip("this sgl_kernel has no cutlass_scaled_fp4_mm (sglang-kernel 0.4 dropped its FP4 GEMMs)")
     params = list(inspect.signature(sgl_kernel.cutlass_scaled_fp4_mm).parameters)
     assert params == list(inspect.signature(emu.cutlass_scaled_fp4_mm).parameters)
     assert sb.sgl_kernel_module() is sgl_kernel

@@ -1,13 +1,18 @@
 """Blackwell linear backend on sgl-kernel: our ``scaled_fp4_quant`` (activations to NVFP4, 128x4-swizzled
 scales), then sgl-kernel's CUTLASS FP4 tensor-core GEMM ``sgl_kernel.cutlass_scaled_fp4_mm``. It comes after
 FlashInfer's ``mm_fp4`` in the linear backends' order (:data:`nvfp4_plugin.layers.LINEAR_BACKENDS`), so it serves
-where sgl-kernel is installed and FlashInfer is not (an SGLang deployment). sm_100 / sm_103: sgl-kernel's CUDA 13
-wheels carry sm_100a and sm_103a code for these kernels. W4A4 checkpoints only (the GEMM multiplies NVFP4
+where sgl-kernel is installed and FlashInfer is not. W4A4 checkpoints only (the GEMM multiplies NVFP4
 activations); weight-only checkpoints go to FlashInfer's ``mm_bf16_fp4`` or the reference backend.
 
-What is handed over follows the function's contract (sgl-kernel 0.4.5: ``python/sgl_kernel/gemm.py`` and the checks
-of ``csrc/gemm/nvfp4_scaled_mm_kernels.cu``): ``a`` the activation codes ``[M, K/2]`` uint8 and ``b`` the weight
-codes ``[N, K/2]`` uint8, both contiguous row-major (element 2i in the low nibble); ``block_scale_a`` /
+Which sgl-kernel: the ``sgl-kernel`` package up to 0.3.21 ships this function, its PyPI wheels with sm_100a (and
+sm_120a) code and no sm_103a, so this backend claims sm_100 only. Its successor ``sglang-kernel`` (0.4.x, what
+SGLang 0.5.17 installs) has no FP4 GEMM any more: SGLang itself calls FlashInfer's ``mm_fp4`` there, and so does
+our ``flashinfer_fp4`` backend (FlashInfer comes with SGLang).
+
+What is handed over follows the function's contract (sgl-kernel 0.3.21: ``sgl_kernel/gemm.py`` and the checks of
+``csrc/gemm/nvfp4_scaled_mm_kernels.cu``, whose messages its ``sm100/common_ops`` library carries): ``a`` the
+activation codes ``[M, K/2]`` uint8 and ``b`` the weight codes ``[N, K/2]`` uint8, both contiguous row-major
+(element 2i in the low nibble); ``block_scale_a`` /
 ``block_scale_b`` float8_e4m3fn, contiguous, 128x4-swizzled, ``[round_up(M, 128), round_up(K/16, 4)]`` and
 ``[round_up(N, 128), round_up(K/16, 4)]``; ``alpha`` one fp32 value on the device,
 ``1 / (activation encode scale x weight encode scale)``; K and N multiples of 32; the output ``[M, N]`` in
@@ -22,7 +27,6 @@ contract, and the bytes handed over against our reference quantizer.
 """
 
 from __future__ import annotations
-
 
 from ... import numerics as nx
 from ...weights import Nvfp4Weight
@@ -45,8 +49,9 @@ class SglKernelLinear(ProviderBackend):
     name = "sgl_kernel_fp4"
     family = "scaled_fp4_quant + sgl-kernel cutlass_scaled_fp4_mm"
     provider = "sgl_kernel"
+    archs = ((10, 0),)                  # sgl-kernel's wheels carry no sm_103a code (module docstring)
     entry_point = "cutlass_scaled_fp4_mm"
-    install_hint = "pip install sglang-kernel (what SGLang installs)"
+    install_hint = "pip install 'sgl-kernel<=0.3.21' (sglang-kernel 0.4, SGLang 0.5.17's, has no FP4 GEMM)"
 
     @staticmethod
     def _module():
