@@ -65,6 +65,8 @@ Not run on a Blackwell GPU here: tests check it on the CPU against an emulator o
 
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -95,21 +97,25 @@ def flashinfer_module():
     return fused_moe if hasattr(fused_moe, "cutlass_fused_moe") else None
 
 
+@functools.lru_cache(maxsize=1)
 def masked_gemm_missing() -> str | None:
     """Why the masked layout's GEMM (FlashInfer's CuTe-DSL ``grouped_gemm_nt_masked``) cannot run in this
-    environment, or None (checked when an engine asks whether the layer takes the masked layout)."""
-    import importlib.util
-
+    environment, or None: the DSL and the kernel's class import (once per process; asked at load time, when an
+    engine checks whether the layer takes the masked layout)."""
     from ...cute_bridge import MASKED_KERNEL_MODULE
 
-    if importlib.util.find_spec("cutlass") is None:
-        return "its GEMM, FlashInfer's CuTe-DSL grouped_gemm_nt_masked, needs nvidia-cutlass-dsl (pip install " \
-               "nvidia-cutlass-dsl)"
     try:
-        found = importlib.util.find_spec(MASKED_KERNEL_MODULE) is not None
-    except Exception as exc:  # noqa: BLE001 - a parent package that fails to import
+        import cutlass.cute  # noqa: F401 - nvidia-cutlass-dsl
+    except Exception as exc:  # noqa: BLE001 - not installed, or not importable here
+        return (f"its GEMM, FlashInfer's CuTe-DSL grouped_gemm_nt_masked, needs nvidia-cutlass-dsl "
+                f"(pip install nvidia-cutlass-dsl; {type(exc).__name__}: {exc})")
+    try:
+        mod = importlib.import_module(MASKED_KERNEL_MODULE)
+    except Exception as exc:  # noqa: BLE001
         return f"{MASKED_KERNEL_MODULE} is not importable ({type(exc).__name__}: {exc})"
-    return None if found else f"this flashinfer has no {MASKED_KERNEL_MODULE}"
+    if not hasattr(mod, "MaskedBatchedMatmulCuteDSL"):
+        return f"{MASKED_KERNEL_MODULE} has no MaskedBatchedMatmulCuteDSL (another FlashInfer version)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -238,6 +244,7 @@ class FlashInferCutlassMoe(FlashInferBackend):
 
         num_e, max_m, _ = x.shape
         inter = t["fc2_weight"].shape[2] * 16
+        mask = mask.clamp(max=max_m)        # the kernel schedules ceil(mask / 128) row tiles: none past max_m
         acts = cb.quantize_masked(x.contiguous(), t["fc1_act_scale_e"], mask)
         h = cb.run_grouped_gemm(_masked_operands(acts, t["fc1_weight"], t["fc1_weight_sf"], t["fc1_alpha"], x.dtype))
         h = torch.cat((h[..., inter:], h[..., :inter]), dim=-1)                      # [up | gate] -> [gate | up]
