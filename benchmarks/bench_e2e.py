@@ -150,8 +150,6 @@ def plugin_env() -> dict:
     (a dist-info folder, as ``pip install`` would write) unless the package is installed."""
     env = dict(os.environ)
     env.pop("VLLM_WORKER_MULTIPROC_METHOD", None)        # vLLM's default start method, as users get it
-    # collective_rpc with a function (the allocator counters): vLLM pickles it only when allowed
-    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     # SGLang JIT-compiles its bf16 kernels: nvcc (CUDA_HOME), ninja and a cache folder
     # (../shared/tools/sglang-bundle/README.md)
@@ -271,6 +269,9 @@ def _vllm_worker(a, result: dict) -> None:
         kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": prof_dir, "torch_profiler_with_stack": False,
                                  "ignore_frontend": True, "delay_iterations": a.profile_delay,
                                  "max_iterations": a.profile_steps}
+    # collective_rpc with a function (the allocator counters, read in the engine's worker): vLLM pickles one only
+    # when allowed; set here, in this offline benchmark worker, not for the servers
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     t0 = time.perf_counter()
     llm = LLM(**kw)
     result["startup_s"] = round(time.perf_counter() - t0, 1)
