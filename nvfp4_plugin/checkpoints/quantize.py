@@ -536,6 +536,9 @@ def quantize_checkpoint(src, dst, options: QuantizeOptions | None = None, **kwar
         raise CheckpointError(problem(CONFIG_JSON, None, f"the source is already quantized ({how}); "
                                                          "quantize a bf16/fp16 checkpoint"))
     device = _resolve_device(options.device)
+    if options.method == "mse" and device.type == "cpu":
+        logger.info("nvfp4_plugin: quantize: the mse block-scale search runs on the CPU (no GPU here): several times "
+                    "rtn's time (a GPU takes seconds); --method rtn is the fastest")
     files = CheckpointFiles(src)
     quant_algo = F.ALGO_W4A4 if options.calibration and not options.weights_only else F.ALGO_W4A16
     plan = plan_quantization(files, options, quant_algo)
