@@ -120,6 +120,22 @@ def pad_rows(codes: torch.Tensor, scales: torch.Tensor, multiple: int) -> tuple[
             torch.cat([scales, scales.new_zeros(pad, scales.shape[1])]))
 
 
+def prepare_w4a4_runs(weight: Nvfp4Weight, input_global_scale: torch.Tensor, pad_to: int = 1) -> tuple[dict, list]:
+    """Load time, for the W4A4 GEMMs that take one alpha per call (``mm_fp4``, ``cutlass_scaled_fp4_mm``): per run
+    of rows with one encode global scale, its codes ``w{i}`` ``[n, K/2]`` and 128x4-swizzled block scales
+    ``sf{i}`` (rows padded with zeros to a multiple of ``pad_to``) and ``alpha{i}`` = 1 / (input encode scale x
+    weight encode scale); plus ``input_global_scale`` (1,). Returns the tensors and the runs."""
+    in_gs = input_global_scale.reshape(()).float()
+    t = {"input_global_scale": in_gs.reshape(1).contiguous()}
+    runs = row_runs(weight.global_scale)
+    for i, (a, b) in enumerate(runs):
+        codes, scales = pad_rows(weight.packed[a:b].contiguous(), weight.block_scale[a:b].contiguous(), pad_to)
+        t[f"w{i}"] = codes                                                             # [n_pad, K/2] row-major
+        t[f"sf{i}"] = nx.swizzle_blockscale(scales).contiguous()                       # [round_up(n_pad, 128), ..]
+        t[f"alpha{i}"] = (1.0 / (in_gs * weight.global_scale[a].float())).reshape(1).contiguous()
+    return t, runs
+
+
 def join_runs(outs: list[torch.Tensor], bias, lead, n: int) -> torch.Tensor:
     """The GEMM outputs of the runs of rows side by side (one compact ``[M, N]``), plus the bias, shaped
     ``[*lead, N]`` like the layer's input."""
@@ -199,13 +215,7 @@ class FlashInferLinear(FlashInferBackend):
         return [(1, max_tokens, f"{cls.family} ({mm_backend()})")]
 
     def prepare(self, spec, weight: Nvfp4Weight, input_global_scale):
-        in_gs = input_global_scale.reshape(()).float()
-        t = {"input_global_scale": in_gs.reshape(1).contiguous()}
-        runs = row_runs(weight.global_scale)
-        for i, (a, b) in enumerate(runs):
-            t[f"w{i}"] = weight.packed[a:b].contiguous()                                   # [n, K/2] row-major
-            t[f"sf{i}"] = nx.swizzle_blockscale(weight.block_scale[a:b].contiguous())       # [n_pad, kb_pad]
-            t[f"alpha{i}"] = (1.0 / (in_gs * weight.global_scale[a].float())).reshape(1).contiguous()
+        t, runs = prepare_w4a4_runs(weight, input_global_scale)
         return t, (tuple(runs), spec.n, spec.k, mm_backend())
 
     def apply(self, t, meta, x, bias=None):

@@ -28,9 +28,8 @@ contract, and the bytes handed over against our reference quantizer.
 
 from __future__ import annotations
 
-from ... import numerics as nx
 from ...weights import Nvfp4Weight
-from .flashinfer_fp4 import ProviderBackend, join_runs, pad_rows, row_runs
+from .flashinfer_fp4 import ProviderBackend, join_runs, prepare_w4a4_runs
 
 #: cutlass_scaled_fp4_mm's alignment of N and K (elements)
 ALIGN = 32
@@ -64,14 +63,7 @@ class SglKernelLinear(ProviderBackend):
         return None
 
     def prepare(self, spec, weight: Nvfp4Weight, input_global_scale):
-        in_gs = input_global_scale.reshape(()).float()
-        t = {"input_global_scale": in_gs.reshape(1).contiguous()}
-        runs = row_runs(weight.global_scale)
-        for i, (a, b) in enumerate(runs):
-            codes, scales = pad_rows(weight.packed[a:b].contiguous(), weight.block_scale[a:b].contiguous(), ALIGN)
-            t[f"w{i}"] = codes                                                             # [n_pad, K/2]
-            t[f"sf{i}"] = nx.swizzle_blockscale(scales).contiguous()                       # [round_up(n_pad, 128), ..]
-            t[f"alpha{i}"] = (1.0 / (in_gs * weight.global_scale[a].float())).reshape(1).contiguous()
+        t, runs = prepare_w4a4_runs(weight, input_global_scale, pad_to=ALIGN)
         return t, (tuple(runs), spec.n, spec.k)
 
     def apply(self, t, meta, x, bias=None):
