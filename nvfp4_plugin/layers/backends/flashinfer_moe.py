@@ -76,7 +76,7 @@ import torch
 from ... import numerics as nx
 from ...weights import Nvfp4Weight
 from .flashinfer_fp4 import FlashInferBackend
-from .reference import ReferenceMoe
+from .reference import ReferenceMoe, write_valid_rows
 
 logger = logging.getLogger("nvfp4_plugin")
 
@@ -242,7 +242,7 @@ class FlashInferCutlassMoe(FlashInferBackend):
             return _REFERENCE.apply_masked(t, meta.reference_meta, x, mask, out)
         from ... import cute_bridge as cb
 
-        num_e, max_m, _ = x.shape
+        max_m = x.shape[1]
         inter = t["fc2_weight"].shape[2] * 16
         mask = mask.clamp(max=max_m)        # the kernel schedules ceil(mask / 128) row tiles: none past max_m
         acts = cb.quantize_masked(x.contiguous(), t["fc1_act_scale_e"], mask)
@@ -250,8 +250,7 @@ class FlashInferCutlassMoe(FlashInferBackend):
         h = torch.cat((h[..., inter:], h[..., :inter]), dim=-1)                      # [up | gate] -> [gate | up]
         acts2 = cb.quantize_masked(h, t["fc2_act_scale"], mask, use_silu_and_mul=True)
         y = cb.run_grouped_gemm(_masked_operands(acts2, t["fc2_weight"], t["fc2_weight_sf"], t["fc2_alpha"], x.dtype))
-        valid = torch.arange(max_m, device=x.device)[None, :] < mask.to(torch.int64)[:, None]
-        out.copy_(torch.where(valid[..., None], y, out))
+        write_valid_rows(out, y, mask)
 
     def warmup_sizes(self, t, meta, max_tokens, **kw):
         # The first call loads FlashInfer's compiled module (builds it where flashinfer-jit-cache has none);

@@ -36,6 +36,14 @@ def fake_quant_rows(x: torch.Tensor, gs_rows: torch.Tensor, table: torch.Tensor)
     return ((vals * scales.float()[..., None]).flatten(-2) / gs_rows[..., None]).to(x.dtype)
 
 
+def write_valid_rows(out: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> None:
+    """The masked layout's output: ``out[e, r] = y[e, r]`` for ``r < mask[e]``, the other rows of ``out`` left as
+    they are; on the device, no shape depends on the mask (CUDA-graph safe)."""
+    rows = torch.arange(out.shape[1], device=out.device)
+    valid = rows[None, :] < mask.to(torch.int64)[:, None]                    # [E, max_m]
+    out.copy_(torch.where(valid[..., None], y, out))
+
+
 def _weight_tensors(prefix: str, w: Nvfp4Weight) -> dict[str, torch.Tensor]:
     return {f"{prefix}packed": w.packed, f"{prefix}block_scale": w.block_scale, f"{prefix}global_scale": w.global_scale}
 
@@ -115,8 +123,6 @@ class ReferenceMoe(Backend):
         activation quantization and fp32 SiLU), over all ``max_m`` rows of every expert: no shape
         depends on the mask, so nothing reads it on the host."""
         num_experts, max_m, hidden = x.shape
-        rows = torch.arange(max_m, device=x.device)
-        valid = rows[None, :] < mask.to(torch.int64)[:, None]                    # [E, max_m]
         offs = (torch.arange(1, num_experts + 1, device=x.device) * max_m).to(torch.int32)
         xs = x.reshape(num_experts * max_m, hidden)
         if mode == "w4a4":
@@ -124,8 +130,7 @@ class ReferenceMoe(Backend):
         a = nx.silu_and_mul_fp32(self._gemm(t, "w13_", xs, offs))
         if mode == "w4a4":
             a = fake_quant_rows(a, t["a2_global_scale"].repeat_interleave(max_m), t["e2m1_table"])
-        y = self._gemm(t, "w2_", a, offs).view(num_experts, max_m, hidden)
-        out.copy_(torch.where(valid[..., None], y, out))
+        write_valid_rows(out, self._gemm(t, "w2_", a, offs).view(num_experts, max_m, hidden), mask)
 
     @staticmethod
     def _gemm(t: dict, prefix: str, xs: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
