@@ -353,9 +353,9 @@ def main(argv=None) -> int:
     p.add_argument("--method", choices=("rtn", "mse", "gptq"), default="mse",
                    help="block scales: mse (the default) = the E4M3 scale within two octaves of the block maximum's "
                         "with the least squared error, each column weighted by its mean squared calibration input "
-                        "when calibrating; rtn = from each 16-value block's maximum (ModelOpt's default); gptq = column-by-column rounding with "
-                        "error compensation from each input's calibration Hessian, block scales by the mse rule "
-                        "(needs calibration) (same format, any loader)")
+                        "when calibrating; rtn = from each 16-value block's maximum (ModelOpt's default); gptq = "
+                        "column-by-column rounding with error compensation from each input's calibration Hessian, "
+                        "block scales by the mse rule (needs calibration) (same format, any loader)")
     p.add_argument("--weights-only", action="store_true",
                    help="calibrate (for mse's weights, gptq's Hessians) but write W4A16_NVFP4, without activation "
                         "scales")
