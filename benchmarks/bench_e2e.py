@@ -73,6 +73,35 @@ BUILTIN = {"vllm": ("marlin", "humming"), "sglang": ("builtin",)}
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
+def parallel_tag(tp: int, ep: bool) -> str:
+    """``tp1`` (one GPU), ``tp2``, ``tp2-ep`` (expert parallel over the tensor-parallel ranks)."""
+    return f"tp{tp}" + ("-ep" if ep else "")
+
+
+def parallel_kwargs(engine: str, tp: int, ep: bool) -> dict:
+    """Engine arguments of tensor / expert parallelism on these machines (no NVLink multicast).
+
+    vLLM: its custom all-reduce and the fused all-reduce + RMSNorm pass need multicast (a TP=2 engine dies at
+    its profiling run without these; integration/e2e.sh's ``tp`` step), so NCCL all-reduce; with ``ep`` the
+    MoE layers take vLLM's default all-to-all for expert parallelism, allgather_reducescatter (global
+    expert ids mapped to this rank's experts). SGLang: ``ep_size`` equal to ``tp_size``, NCCL all-reduce
+    (its custom all-reduce off, as in vLLM)."""
+    if tp < 1 or (ep and tp < 2):
+        raise ValueError(f"--tp must be >= 1 and >= 2 with --ep, got tp={tp}, ep={ep}")
+    if tp == 1:
+        return {}
+    if engine == "vllm":
+        kw = {"tensor_parallel_size": tp, "disable_custom_all_reduce": True,
+              "compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}
+        if ep:
+            kw["enable_expert_parallel"] = True
+        return kw
+    kw = {"tp_size": tp, "disable_custom_all_reduce": True}
+    if ep:
+        kw["ep_size"] = tp
+    return kw
+
+
 # ------------------------------------------------------------------------------------------------
 # models
 # ------------------------------------------------------------------------------------------------
@@ -259,9 +288,11 @@ def _vllm_worker(a, result: dict) -> None:
 
     _, quant, extra = CONFIGS["vllm"][a.config]
     kw = dict(model=a.model_path, seed=0, gpu_memory_utilization=a.mem_fraction, max_model_len=a.max_model_len,
-              **extra)
+              **extra, **parallel_kwargs("vllm", a.tp, a.ep))
     if quant:
         kw["quantization"] = quant
+    if a.tp > 1:   # vLLM's symmetric-memory all-reduce needs NVLink multicast too (see parallel_kwargs)
+        os.environ["VLLM_ALLREDUCE_USE_SYMM_MEM"] = "0"
     prof_dir = None
     if a.profile_batches:
         prof_dir = str(Path(a.out).with_suffix("") ) + "-traces"
@@ -330,7 +361,7 @@ def _sglang_worker(a, result: dict) -> None:
     _, quant, extra = CONFIGS["sglang"][a.config]
     kw = dict(model_path=a.model_path, random_seed=0, mem_fraction_static=a.mem_fraction,
               context_length=a.max_model_len, attention_backend="triton", sampling_backend="pytorch",
-              skip_tokenizer_init=True, log_level="error", **extra)
+              skip_tokenizer_init=True, log_level="error", **extra, **parallel_kwargs("sglang", a.tp, a.ep))
     if quant:
         kw["quantization"] = quant
     t0 = time.perf_counter()
@@ -374,7 +405,7 @@ def run_sweep(result: dict, timed, a) -> None:
 
 def worker(a) -> int:
     result = {"engine": a.engine, "model": a.model, "config": a.config, "model_path": a.model_path,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+              "parallel": parallel_tag(a.tp, a.ep), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         (_vllm_worker if a.engine == "vllm" else _sglang_worker)(a, result)
     except Exception as exc:  # noqa: BLE001 - recorded in the results, the run goes on
@@ -484,9 +515,14 @@ def serve_bench(a, engine: str, model: str, config: str, model_path: Path, env: 
 
 def run(a) -> int:
     out = Path(a.out)
+    parallel_kwargs(a.engines[0], a.tp, a.ep)             # bad --tp / --ep: refused before any model is built
+    if a.serve and a.tp > 1:
+        raise SystemExit("bench_e2e: --serve runs on one GPU; drop --serve or --tp")
     out.mkdir(parents=True, exist_ok=True)
     paths = build_models(Path(a.model_dir), a.models)
     env = plugin_env()
+    par = parallel_tag(a.tp, a.ep)
+    suffix = "" if par == "tp1" else f"-{par}"
     if "sglang" in a.engines and "builtin" in (a.configs or CONFIGS["sglang"]):
         prebuild_sglang_jit()
     for engine in a.engines:
@@ -494,7 +530,7 @@ def run(a) -> int:
             for config in a.configs or CONFIGS[engine]:
                 if config not in CONFIGS[engine]:
                     continue
-                res_path = out / f"{engine}-{model}-{config}.json"
+                res_path = out / f"{engine}-{model}-{config}{suffix}.json"
                 if res_path.exists() and not a.overwrite:
                     print(f"=== {res_path.name}: already there", flush=True)
                     continue
@@ -504,19 +540,19 @@ def run(a) -> int:
                        "--batches", *map(str, a.batches), "--prompt-len", str(a.prompt_len),
                        "--gen-len", str(a.gen_len), "--prefill", *map(str, a.prefill),
                        "--mem-fraction", str(a.mem_fraction), "--max-model-len", str(a.max_model_len),
-                       "--repeats", str(a.repeats)]
+                       "--repeats", str(a.repeats), "--tp", str(a.tp)] + (["--ep"] if a.ep else [])
                 if a.profile_batches and engine == "vllm":
                     cmd += ["--profile-batches", *map(str, a.profile_batches)]
-                print(f"=== {engine} {model} {config}", flush=True)
+                print(f"=== {engine} {model} {config} {par}", flush=True)
                 t = time.time()
-                with open(out / f"{engine}-{model}-{config}.log", "w") as log:
+                with open(out / f"{engine}-{model}-{config}{suffix}.log", "w") as log:
                     try:
                         subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                        timeout=a.timeout)
                     except subprocess.TimeoutExpired:
                         res_path.write_text(json.dumps({"engine": engine, "model": model, "config": config,
-                                                        "error": f"timed out after {a.timeout} s"}))
-                print(f"=== {engine} {model} {config}: {time.time() - t:.0f} s", flush=True)
+                                                        "parallel": par, "error": f"timed out after {a.timeout} s"}))
+                print(f"=== {engine} {model} {config} {par}: {time.time() - t:.0f} s", flush=True)
     if a.serve:
         for model in a.serve_models or a.models:
             best = best_builtin(load_results(out), "vllm", model)
@@ -548,7 +584,7 @@ def _decode(r: dict, b) -> float | None:
 def best_builtin(results: list[dict], engine: str, model: str) -> str | None:
     """The built-in NVFP4 configuration with the most decode tokens/s summed over the batch sizes."""
     cands = [r for r in results if r.get("engine") == engine and r.get("model") == model
-             and r.get("config") in BUILTIN[engine] and r.get("decode")]
+             and r.get("config") in BUILTIN[engine] and r.get("decode") and r.get("parallel", "tp1") == "tp1"]
     if not cands:
         return None
     return max(cands, key=lambda r: sum(d["tok_s"] for d in r["decode"].values()))["config"]
@@ -638,38 +674,41 @@ def report(out: Path) -> str:
           f"({', '.join(sorted({r.get('gpu', '?') for r in runs}))}, {max((r.get('date', '') for r in runs), default='')}). "
           "Decode: output tokens/s (128-token prompts, 256 generated, ignore_eos; prefill included), the median of "
           "the measured runs after a warm-up run, fresh prompts each run. Prefill: prompt tokens/s.", ""]
-    for engine in ("vllm", "sglang"):
-        for model in MODELS:
-            rows = [r for r in runs if r.get("engine") == engine and r.get("model") == model]
-            if not rows:
+    groups = [(e, m, p) for e in ("vllm", "sglang") for m in MODELS
+              for p in sorted({r.get("parallel", "tp1") for r in runs}, key=lambda p: (p != "tp1", p))]
+    for engine, model, par in groups:
+        rows = [r for r in runs if r.get("engine") == engine and r.get("model") == model
+                and r.get("parallel", "tp1") == par]
+        if not rows:
+            continue
+        batches = sorted({int(b) for r in rows for b in (r.get("decode") or {})})
+        where = "" if par == "tp1" else f", {par}"
+        md += [f"## {engine}, {model} ({MODELS[model][1]}){where}", "",
+               "| config | run | start s | " + " | ".join(f"b={b}" for b in batches) + " | prefill |",
+               "|---|---|---:|" + "---:|" * (len(batches) + 1)]
+        for r in sorted(rows, key=lambda r: list(CONFIGS[engine]).index(r["config"])
+                        if r.get("config") in CONFIGS[engine] else 99):
+            if "error" in r and not r.get("decode"):
+                md.append(f"| {r.get('config')} | {r.get('run', '')} | - | error: {r['error'][:200]} |")
                 continue
-            batches = sorted({int(b) for r in rows for b in (r.get("decode") or {})})
-            md += [f"## {engine}, {model} ({MODELS[model][1]})", "",
-                   "| config | run | start s | " + " | ".join(f"b={b}" for b in batches) + " | prefill |",
-                   "|---|---|---:|" + "---:|" * (len(batches) + 1)]
-            for r in sorted(rows, key=lambda r: list(CONFIGS[engine]).index(r["config"])
-                            if r.get("config") in CONFIGS[engine] else 99):
-                if "error" in r and not r.get("decode"):
-                    md.append(f"| {r.get('config')} | {r.get('run', '')} | - | error: {r['error'][:200]} |")
-                    continue
-                cells = [f"{_decode(r, b):.0f}" if _decode(r, b) else "-" for b in batches]
-                pre = r.get("prefill", {}).get("tok_s")
-                md.append(f"| {r['config']} | {r.get('run', '')} | {r.get('startup_s', '-')} | " + " | ".join(cells)
-                          + (f" | {pre:.0f} |" if pre else " | - |"))
-            md += [""] + [f"- {line}" for line in checks(rows, engine, model)] + [""]
-            md += allocator_summary(rows)
-            md += profile_summary(rows)
-            for r in rows:
-                for b, prof in (r.get("profile") or {}).items():
-                    what = (f"prefill, {prof.get('tokens_per_step')} prompt tokens per step "
-                            f"({prof['gpu_us_per_step']:.0f} µs of GPU work per step)" if b == "prefill" else
-                            f"batch {b} ({prof['gpu_us_per_step']:.0f} µs of GPU work per decode step, "
-                            f"{(r['decode'].get(b) or {}).get('ms_per_step', '?')} ms wall per step)")
-                    md += [f"### profile: {engine} {model} {r['config']}, {what}", "",
-                           "| kernel | µs / step | share | calls / step |", "|---|---:|---:|---:|"]
-                    md += [f"| `{k['name']}` | {k['us_per_step']:.1f} | {100 * k['share']:.1f}% | "
-                           f"{k['calls_per_step']:.1f} |" for k in prof["kernels"]]
-                    md.append("")
+            cells = [f"{_decode(r, b):.0f}" if _decode(r, b) else "-" for b in batches]
+            pre = r.get("prefill", {}).get("tok_s")
+            md.append(f"| {r['config']} | {r.get('run', '')} | {r.get('startup_s', '-')} | " + " | ".join(cells)
+                      + (f" | {pre:.0f} |" if pre else " | - |"))
+        md += [""] + [f"- {line}" for line in checks(rows, engine, model)] + [""]
+        md += allocator_summary(rows)
+        md += profile_summary(rows)
+        for r in rows:
+            for b, prof in (r.get("profile") or {}).items():
+                what = (f"prefill, {prof.get('tokens_per_step')} prompt tokens per step "
+                        f"({prof['gpu_us_per_step']:.0f} µs of GPU work per step)" if b == "prefill" else
+                        f"batch {b} ({prof['gpu_us_per_step']:.0f} µs of GPU work per decode step, "
+                        f"{(r['decode'].get(b) or {}).get('ms_per_step', '?')} ms wall per step)")
+                md += [f"### profile: {engine} {model} {r['config']}{where}, {what}", "",
+                       "| kernel | µs / step | share | calls / step |", "|---|---:|---:|---:|"]
+                md += [f"| `{k['name']}` | {k['us_per_step']:.1f} | {100 * k['share']:.1f}% | "
+                       f"{k['calls_per_step']:.1f} |" for k in prof["kernels"]]
+                md.append("")
     serves = [r for r in results if "concurrency" in r]
     if serves:
         md += ["## vllm serve, streaming clients", "",
@@ -705,7 +744,9 @@ def plot(runs: list[dict], path: Path) -> bool:
         for r in runs:
             if r.get("engine") == engine and r.get("model") == model and r.get("decode"):
                 bs = sorted(int(b) for b in r["decode"])
-                ax.plot(bs, [_decode(r, b) for b in bs], marker="o", label=r["config"],
+                par = r.get("parallel", "tp1")
+                ax.plot(bs, [_decode(r, b) for b in bs], marker="o",
+                        label=r["config"] + ("" if par == "tp1" else f" {par}"),
                         linewidth=2.5 if r["config"] == "ours" else 1.2)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -732,6 +773,8 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--max-model-len", type=int, default=2048)
         p.add_argument("--repeats", type=int, default=3,
                        help="measured runs per shape after the warm-up run (the median is reported)")
+        p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per engine)")
+        p.add_argument("--ep", action="store_true", help="expert parallel over the --tp ranks (MoE layers)")
 
     r = sub.add_parser("run", help="models, every engine configuration in its own process, report")
     r.add_argument("--out", required=True)

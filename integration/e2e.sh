@@ -14,10 +14,13 @@
 #   moe         the same for Qwen3-MoE (no bf16)
 #   smol        the same for SmolLM2-135M (variants whose folder is absent are skipped)
 #   smallmodels make-model Llama "small" (16 heads, 8 KV heads: real head sharding under TP) as llama_small
-#   tp          TP=1 vs --tensor-parallel-size 2 (needs 2 GPUs) for ours on the ModelOpt checkpoints of
-#               $TP_MODELS (default "llama qwen3_moe llama_small"): greedy text must match
-#               (integration/compare_tp.py -> $R/NAME-tp.md); tp1 / tp2 run one side only (e.g. TP=1
-#               on a one-GPU machine), compare_tp.py lines them up afterwards
+#               and Qwen3-MoE "small" (8 experts, hidden 1024) as qwen3_moe_small, ModelOpt only
+#   tp          TP=1 vs TP=2 (needs 2 GPUs) for ours on the ModelOpt checkpoints of $TP_MODELS (default
+#               "llama qwen3_moe llama_small"): greedy text must match (integration/compare_tp.py ->
+#               $R/NAME-tp2.md); tp1 / tp2 run one side only (e.g. TP=1 on a one-GPU machine)
+#   ep          expert parallel, TP=2 + EP=2 (vLLM --enable-expert-parallel, SGLang --ep 2), against the
+#               TP=1 result of an earlier tp / tp1 step ($R/NAME-ep2.md); prints the MoE path the server
+#               logged; ep2 serves only
 #   cachecheck  serve one checkpoint with the default backend, then with the reference backend
 #   corrupt     a checkpoint with a missing scale tensor and one with an inf global scale must fail cleanly
 #   ref         CPU reference (integration/reference_logprobs.py: transformers fp32 on the dequantized
@@ -90,18 +93,37 @@ for s in "$@"; do
     smallmodels)
       [ -d "$M/llama_small-bf16" ] || python3 -m nvfp4_plugin.cli make-model "$M/llama_small-bf16" --arch llama --size small \
         || status=1
-      quantize_both llama_small ;;
-    tp|tp1|tp2)
+      quantize_both llama_small
+      [ -d "$M/qwen3_moe_small-bf16" ] || python3 -m nvfp4_plugin.cli make-model "$M/qwen3_moe_small-bf16" \
+        --arch qwen3_moe --size small || status=1
+      [ -d "$M/qwen3_moe_small-modelopt" ] || python3 -m nvfp4_plugin.cli quantize "$M/qwen3_moe_small-bf16" \
+        "$M/qwen3_moe_small-modelopt" --format modelopt --device cuda || status=1 ;;
+    tp|tp1|tp2|ep|ep2)
       # vLLM's all-reduce fast paths (custom all-reduce, torch symmetric memory, the fused
       # all-reduce + RMSNorm pass) need NVLink multicast, which the GPU machines keep off: without
-      # these flags a TP=2 server dies at its profiling run with an illegal memory access.
+      # these flags a TP=2 server dies at its profiling run with an illegal memory access. SGLang's
+      # custom all-reduce is turned off the same way (NCCL all-reduce in both engines).
       export VLLM_ALLREDUCE_USE_SYMM_MEM=0
+      if [ "$ENGINE" = vllm ]; then
+        TP2=(--tensor-parallel-size 2 --disable-custom-all-reduce --compilation-config
+             '{"pass_config": {"fuse_allreduce_rms": false}}')
+        EP2=("${TP2[@]}" --enable-expert-parallel)
+      else
+        TP2=(--tp 2 --disable-custom-all-reduce); EP2=("${TP2[@]}" --ep 2)
+      fi
       for name in ${TP_MODELS:-llama qwen3_moe llama_small}; do
-        [ "$s" = tp2 ] || serve "$name-tp1" "$M/$name-modelopt" --quantization nvfp4
-        [ "$s" = tp1 ] || serve "$name-tp2" "$M/$name-modelopt" --quantization nvfp4 -- --tensor-parallel-size 2 \
-          --disable-custom-all-reduce --compilation-config '{"pass_config": {"fuse_allreduce_rms": false}}'
-        [ "$s" = tp ] && { python3 integration/compare_tp.py "$R/$name-tp1.json" "$R/$name-tp2.json" --md "$R/$name-tp.md" \
-          || status=1; }
+        case "$s" in tp|tp1) serve "$name-tp1" "$M/$name-modelopt" --quantization nvfp4 ;; esac
+        case "$s" in tp|tp2) serve "$name-tp2" "$M/$name-modelopt" --quantization nvfp4 -- "${TP2[@]}" ;; esac
+        case "$s" in ep|ep2)
+          serve "$name-ep2" "$M/$name-modelopt" --quantization nvfp4 -- "${EP2[@]}"
+          # which expert-parallel format the engine handed our MoE method, as the server logged it
+          grep -h -m 2 "nvfp4_plugin: [A-Za-z]* MoE" "$R/$name-ep2.log" 2>/dev/null ;; esac
+        # TP=2 and EP=2 each against TP=1 (from this run or an earlier step of this hold)
+        for par in tp2 ep2; do
+          case "$s" in tp|ep) [ -f "$R/$name-$par.json" ] && [ -f "$R/$name-tp1.json" ] || continue
+            python3 integration/compare_tp.py "$R/$name-tp1.json" "$R/$name-$par.json" --md "$R/$name-$par.md" \
+              || status=1 ;; esac
+        done
       done ;;
     cachecheck)  # the reference backend after a default-backend run of the same model (vLLM's compile cache)
       serve "llama-ours-modelopt" "$M/llama-modelopt" --quantization nvfp4

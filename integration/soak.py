@@ -22,7 +22,7 @@ reason, more tokens than max_tokens, finish_reason "length" with a token count o
 max_tokens, ignore_eos without a stop string ending before max_tokens, no text at all after >= 8
 tokens with no stop hit, or a requested stop string inside the output.
 
-Memory: GPU memory (nvidia-smi, all GPUs summed) and the host RSS of the server's process tree
+Memory: GPU memory (nvidia-smi, the GPUs of CUDA_VISIBLE_DEVICES or all, summed) and the host RSS of the server's process tree
 (/proc/PID/status VmRSS, the launched server or --server-pid) are sampled every --sample-interval
 seconds; the least-squares slope over the second half of the load (the first half is warm-up) must
 be under --max-slope MiB/min. Why 5 MiB/min: over the second half of a 3-minute run one 2 MiB
@@ -626,11 +626,20 @@ def tree_rss_mib(root: int) -> float | None:
     return total / 1024 if seen else None
 
 
-def gpu_used_mib() -> float | None:
-    """memory.used of every GPU nvidia-smi lists, summed (MiB)."""
+def visible_gpus() -> str | None:
+    """The GPUs this soak's server may use: ``CUDA_VISIBLE_DEVICES`` when it lists indices or UUIDs, else
+    None (all). Another job on the machine's other GPU then does not show in this soak's memory slope."""
+    ids = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    return ids if ids and ids != "-1" else None
+
+
+def gpu_used_mib(gpus: str | None = None) -> float | None:
+    """memory.used of the GPUs ``gpus`` names (nvidia-smi ``--id``; None: every GPU), summed (MiB)."""
+    cmd = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+    if gpus:
+        cmd.append(f"--id={gpus}")
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
         return float(sum(float(x) for x in out.stdout.split())) if out.returncode == 0 else None
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return None
@@ -640,7 +649,9 @@ def default_samplers(cfg: SoakConfig, server_pid: int | None) -> dict[str, tuple
     """name -> (where the numbers come from, sampler)."""
     samplers = {}
     if cfg.gpu != "off" and shutil.which("nvidia-smi"):
-        samplers["gpu_memory"] = ("nvidia-smi memory.used, all GPUs", gpu_used_mib)
+        gpus = visible_gpus()
+        samplers["gpu_memory"] = (f"nvidia-smi memory.used, {f'GPUs {gpus}' if gpus else 'all GPUs'}",
+                                  lambda: gpu_used_mib(gpus))
     if server_pid:
         samplers["host_rss"] = (f"VmRSS of process tree {server_pid}", lambda: tree_rss_mib(server_pid))
     return samplers

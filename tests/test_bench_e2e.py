@@ -157,3 +157,50 @@ def test_allocator_counters_around_a_prefill_run(tmp_path):
     assert len(lines) == 7 and lines[6] == ""          # the failed diagnostic is left out, not a row of dashes
     assert E.allocator_summary([_result("ours", {1: 1})]) == []
     assert E._worker_allocator_counters(None).keys() == set(E.ALLOCATOR_COUNTERS) | {"reserved_bytes"}
+
+
+def test_parallel_arguments_and_a_report_per_parallelism(tmp_path):
+    # one GPU: nothing added; tensor / expert parallel: NCCL all-reduce (no multicast on these machines)
+    assert E.parallel_kwargs("vllm", 1, False) == {}
+    kw = E.parallel_kwargs("vllm", 2, True)
+    assert kw["tensor_parallel_size"] == 2 and kw["enable_expert_parallel"] is True
+    assert kw["disable_custom_all_reduce"] is True
+    assert kw["compilation_config"] == {"pass_config": {"fuse_allreduce_rms": False}}
+    assert "enable_expert_parallel" not in E.parallel_kwargs("vllm", 2, False)
+    assert E.parallel_kwargs("sglang", 2, True) == {"tp_size": 2, "ep_size": 2, "disable_custom_all_reduce": True}
+    with pytest.raises(ValueError, match="--tp must be >= 1 and >= 2 with --ep, got tp=1, ep=True"):
+        E.parallel_kwargs("vllm", 1, True)
+    assert [E.parallel_tag(1, False), E.parallel_tag(2, False), E.parallel_tag(2, True)] == ["tp1", "tp2", "tp2-ep"]
+    # the worker command carries the parallelism; results of each parallelism get their own table and verdicts
+    rs = [_result("marlin", {8: 3000}, model="moe"), _result("ours", {8: 4000}, model="moe"),
+          _result("marlin", {8: 2000}, model="moe", parallel="tp2-ep"),
+          _result("ours", {8: 1500}, model="moe", parallel="tp2-ep")]
+    for r in rs:
+        suffix = "" if r.get("parallel", "tp1") == "tp1" else "-" + r["parallel"]
+        (tmp_path / f"vllm-moe-{r['config']}{suffix}.json").write_text(json.dumps(r))
+    text = E.report(tmp_path)
+    one, ep = text.split("## vllm, moe (Qwen3-30B-A3B shape, 12 layers), tp2-ep")
+    assert "decode batch 8: ours 4000 vs best built-in 3000 (1.33x)" in one and "ours 1500" not in one
+    assert "decode batch 8: ours 1500 vs best built-in 2000 (0.75x), bf16 0 (0.00x): MISS" in ep
+    # the serve phase picks its built-in from one-GPU results only
+    assert E.best_builtin(rs[2:], "vllm", "moe") is None
+
+
+def test_run_refuses_bad_parallelism_before_building_models(tmp_path, monkeypatch):
+    monkeypatch.setattr(E, "build_models", lambda *a: pytest.fail("models built"))
+    with pytest.raises(ValueError, match="got tp=1, ep=True"):
+        E.main(["run", "--out", str(tmp_path / "o"), "--ep"])
+    with pytest.raises(SystemExit, match="--serve runs on one GPU"):
+        E.main(["run", "--out", str(tmp_path / "o"), "--tp", "2", "--serve"])
+
+
+def test_run_hands_the_parallelism_to_each_worker(tmp_path, monkeypatch):
+    cmds = []
+    monkeypatch.setattr(E, "build_models", lambda d, models: {m: {"bf16": d / "b", "nvfp4": d / "q"} for m in models})
+    monkeypatch.setattr(E, "plugin_env", lambda: {})
+    monkeypatch.setattr(E, "report", lambda out: "")
+    monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: cmds.append(cmd))
+    E.main(["run", "--out", str(tmp_path), "--models", "moe", "--configs", "ours", "marlin", "--tp", "2", "--ep"])
+    assert len(cmds) == 2 and all(c[c.index("--tp") + 1] == "2" and "--ep" in c for c in cmds)
+    assert sorted(p.name for p in tmp_path.glob("*.log")) == ["vllm-moe-marlin-tp2-ep.log", "vllm-moe-ours-tp2-ep.log"]
+    assert all(c[c.index("--out") + 1].endswith("-tp2-ep.json") for c in cmds)

@@ -368,3 +368,24 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:
         srv.serve_forever()
     except KeyboardInterrupt:
         srv.server_close()
+
+
+def test_gpu_memory_of_the_visible_gpus_only(monkeypatch):
+    # a soak on GPU 0 while another job runs on GPU 1: nvidia-smi is asked for GPU 0 only
+    soak = _load_soak()
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return soak.subprocess.CompletedProcess(cmd, 0, stdout="100\n" if "--id=0" in cmd else "100\n900\n")
+
+    monkeypatch.setattr(soak.subprocess, "run", fake_run)
+    monkeypatch.setattr(soak.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    cfg = soak.SoakConfig()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    source, sample = soak.default_samplers(cfg, None)["gpu_memory"]
+    assert source == "nvidia-smi memory.used, GPUs 0" and sample() == 100.0 and "--id=0" in calls[-1]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    source, sample = soak.default_samplers(cfg, None)["gpu_memory"]
+    assert source == "nvidia-smi memory.used, all GPUs" and sample() == 1000.0
+    assert not any(a.startswith("--id") for a in calls[-1])
