@@ -12,7 +12,8 @@
 The load: --clients concurrent clients (default 64) send at least --requests requests (default 2000)
 and keep going until --min-duration seconds have passed. The mix is drawn from --seed, so the same
 seed against the same server sends the same requests: completions and chat, streaming and not,
-prompts from a few tokens up to the context limit (token-id prompts fill it exactly), 1-token, short,
+prompts from a few tokens up to the context limit (token-id prompts fill it exactly; with --model their
+ids are plain-text entries of its tokenizer.json, see PROMPT_TOKEN_CHARS), 1-token, short,
 medium and long outputs (long ones with ignore_eos), stop strings, clients that close the connection
 after a few stream chunks, and invalid requests that must get a clean 4xx JSON error.
 
@@ -20,10 +21,12 @@ A valid request fails on: a non-200 status, a dropped connection, a timeout, a b
 does not parse, an error event inside a stream, a stream without `data: [DONE]`, a missing finish
 reason, more tokens than max_tokens, finish_reason "length" with a token count other than
 max_tokens, ignore_eos without a stop string ending before max_tokens, no text at all after >= 8
-tokens with no stop hit, or a requested stop string inside the output.
+tokens with no stop hit, more than 128 characters per generated token (text the engine did not
+generate), or a requested stop string inside the output.
 
-Memory: GPU memory (nvidia-smi, the GPUs of CUDA_VISIBLE_DEVICES or all, summed) and the host RSS of the server's process tree
-(/proc/PID/status VmRSS, the launched server or --server-pid) are sampled every --sample-interval
+Memory: GPU memory (nvidia-smi, the GPUs of CUDA_VISIBLE_DEVICES or all, summed) and the host RSS of
+the server's process tree (/proc/PID/status VmRSS, the launched server or --server-pid; each process
+of the tree is also shown on its own, not judged) are sampled every --sample-interval
 seconds; the least-squares slope over the second half of the load (the first half is warm-up) must
 be under --max-slope MiB/min. Why 5 MiB/min: over the second half of a 3-minute run one 2 MiB
 allocator block appearing mid-window reads as ~2 MiB/min and host RSS jitter of a few MiB as ~1,
@@ -74,6 +77,15 @@ PROMPT_CLASSES = (("tiny", 0.25), ("short", 0.35), ("long", 0.25), ("at-limit", 
 STOP_STRINGS = (".", "\n", ",", " the", "ing", "!")
 # Token ids below this are left out of token-id prompts: tokenizers put their special tokens first.
 MIN_TOKEN_ID = 16
+# Characters a vocabulary entry may hold to be drawn into token-id prompts (with --model): printable
+# ASCII, plus the byte-level BPE markers of space and newline and SentencePiece's space. Random ids of
+# byte tokens make prompts of broken UTF-8, after which vLLM 0.26's detokenizer (tokenizers 0.22
+# DecodeStream primed with the whole prompt) hands back the prompt's text as the first output delta
+# for ~6% of such prompts (SmolLM2's vocabulary, ids 16-2000; reproduced on the CPU without an engine):
+# an engine bug that says nothing about the quantization under test.
+PROMPT_TOKEN_CHARS = frozenset(chr(c) for c in range(0x20, 0x7F)) | {"\u0120", "\u010a", "\u2581"}
+# More output characters than this per generated token (+16) is text the engine did not generate.
+MAX_CHARS_PER_TOKEN = 128
 # No text at all after this many generated tokens is an empty output (fewer may all be special
 # tokens or pieces of one UTF-8 character, which detokenize to nothing).
 EMPTY_MIN_TOKENS = 8
@@ -120,6 +132,7 @@ class SoakConfig:
     long_tokens: int = 1024
     request_timeout: float = 600.0
     max_token_id: int = 2000
+    token_ids: tuple[int, ...] | None = None   # ids token-id prompts draw from (default: the range)
     chat: str = "auto"                  # auto (probe the endpoint) | on | off
     model_name: str | None = None       # default: the first id of /v1/models
     max_model_len: int | None = None    # used when /v1/models does not report max_model_len
@@ -218,6 +231,8 @@ class Planner:
         return " ".join(self.rng.choice(WORDS) for _ in range(n_words))
 
     def _token_ids(self, n: int) -> list[int]:
+        if self.cfg.token_ids:
+            return [self.rng.choice(self.cfg.token_ids) for _ in range(n)]
         hi = max(MIN_TOKEN_ID + 1, self.cfg.max_token_id)
         return [self.rng.randrange(MIN_TOKEN_ID, hi) for _ in range(n)]
 
@@ -429,6 +444,8 @@ def _check_output(spec: Spec, rec: Record, text: str, finish, usage, pieces: int
         rec.fail("stopped_before_max_tokens", f"ignore_eos, no stop string, {tokens} of {spec.max_tokens} tokens")
     if text == "" and finish == "length" and spec.max_tokens >= EMPTY_MIN_TOKENS:
         rec.fail("empty_output", f"no text after {spec.max_tokens} tokens")
+    if isinstance(rec.tokens, int) and len(text) > MAX_CHARS_PER_TOKEN * rec.tokens + 16:
+        rec.fail("text_longer_than_tokens", f"{len(text)} characters for {rec.tokens} tokens: {text[:80]!r}")
     hit = [s for s in spec.stop if s in text]
     if hit:
         rec.fail("stop_string_in_output", f"stop {hit!r} in {text[-80:]!r}")
@@ -610,20 +627,56 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
+def prompt_token_ids(model_dir, hi: int, lo: int = MIN_TOKEN_ID) -> tuple[int, ...] | None:
+    """Ids in [lo, hi) of the checkpoint's tokenizer.json whose vocabulary entry is plain text
+    (PROMPT_TOKEN_CHARS; no added or special token, no byte-fallback ``<0xNN>``), sorted; None when
+    there is no readable tokenizer.json or no such id."""
+    try:
+        tok = json.loads((Path(model_dir) / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return None
+    vocab = (tok.get("model") or {}).get("vocab") if isinstance(tok, dict) else None
+    if isinstance(vocab, dict):
+        items = vocab.items()
+    elif isinstance(vocab, list):   # unigram: [[piece, score], ...] in id order
+        items = ((p[0] if isinstance(p, list) and p else None, i) for i, p in enumerate(vocab))
+    else:
+        return None
+    special = {t.get("id") for t in tok.get("added_tokens") or [] if isinstance(t, dict)}
+    ids = sorted(i for piece, i in items
+                 if isinstance(i, int) and lo <= i < hi and i not in special and isinstance(piece, str) and piece
+                 and set(piece) <= PROMPT_TOKEN_CHARS and not piece.startswith("<0x"))
+    return tuple(ids) or None
+
+
+def config_record(cfg: SoakConfig) -> dict:
+    """The configuration as recorded in soak.json (the prompt id list as its size)."""
+    rec = dataclasses.asdict(cfg)
+    if cfg.token_ids:
+        rec["token_ids"] = f"{len(cfg.token_ids)} plain-text ids of the tokenizer below {cfg.max_token_id}"
+    return rec
+
+
+#: Memory series of one process of the server's tree: shown, not judged (the tree's sum is).
+PER_PROCESS = "process "
+
+
+def process_rss_mib(pid: int) -> float | None:
+    """VmRSS of one process (MiB), None when it is gone or has no resident set (a zombie)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def tree_rss_mib(root: int) -> float | None:
     """Summed VmRSS of the process tree (shared pages count once per process; the slope is what matters)."""
-    total, seen = 0, False
-    for pid in process_tree(root):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
-                        seen = True
-                        break
-        except OSError:
-            continue
-    return total / 1024 if seen else None
+    rss = [v for v in map(process_rss_mib, process_tree(root)) if v is not None]
+    return sum(rss) if rss else None
 
 
 def visible_gpus() -> str | None:
@@ -654,6 +707,14 @@ def default_samplers(cfg: SoakConfig, server_pid: int | None) -> dict[str, tuple
                                   lambda: gpu_used_mib(gpus))
     if server_pid:
         samplers["host_rss"] = (f"VmRSS of process tree {server_pid}", lambda: tree_rss_mib(server_pid))
+        # each process of the tree on its own (reported, not judged): which one a slope comes from (an engine's
+        # API server holds the requests' Python objects, its engine core our layers)
+        for pid in process_tree(server_pid):
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            except OSError:
+                continue
+            samplers[f"{PER_PROCESS}{pid} {comm}"] = (f"VmRSS of process {pid}", lambda pid=pid: process_rss_mib(pid))
     return samplers
 
 
@@ -895,7 +956,7 @@ def summarize(cfg: SoakConfig, info: dict, records: list, start: float, end: flo
 
     result = {
         "server": info,
-        "config": dataclasses.asdict(cfg),
+        "config": config_record(cfg),
         "load": {"clients": cfg.clients, "requests": len(records), "duration_s": round(duration, 1),
                  "requests_per_s": round(len(records) / duration, 2) if duration else None,
                  "output_tokens": tokens, "output_tokens_per_s": round(tokens / duration, 1) if duration else None},
@@ -927,7 +988,7 @@ def summarize(cfg: SoakConfig, info: dict, records: list, start: float, end: flo
     if bad_invalid:
         problems.append(f"invalid requests without a clean 4xx: {bad_invalid}")
     for name, m in memory.items():
-        if m["flat"] is False:
+        if m["flat"] is False and not name.startswith(PER_PROCESS):
             problems.append(f"{name} not flat: {m['slope_mib_per_min']} MiB/min over the second half "
                             f"(threshold {cfg.max_slope})")
     if not health_after:
@@ -943,7 +1004,7 @@ def run_soak(base: str, cfg: SoakConfig, samplers: dict | None = None, server_pi
     the server's process-tree RSS. Returns the result and the per-request records."""
     target, info = preflight(base, cfg)
     if target is None:
-        return {"server": info, "config": dataclasses.asdict(cfg), "passed": False, "setup_error": info["error"],
+        return {"server": info, "config": config_record(cfg), "passed": False, "setup_error": info["error"],
                 "problems": [info["error"]]}, []
     print(f"soak: {info['engine']} model {target.model!r} max_model_len {target.max_len}, chat {target.chat_note}; "
           f"{cfg.clients} clients, >= {cfg.requests} requests, >= {cfg.min_duration:.0f} s", flush=True)
@@ -1008,6 +1069,8 @@ def markdown(result: dict) -> str:
                   "|---|---|---|---|---|---|---|---|"]
         for name, m in result["memory"].items():
             flat = {True: "yes", False: "NO", None: m.get("note", "-")}[m["flat"]]
+            if name.startswith(PER_PROCESS):
+                flat = f"({'yes' if m['flat'] else 'no' if m['flat'] is False else '-'}: one process, not judged)"
             lines.append(f"| {name} | {m['source']} | {m['start_mib']} | {m['end_mib']} | {m['max_mib']} | "
                          f"{m['slope_mib_per_min']} | {m['samples']} ({m['window_samples']}) | {flat} |")
     else:
@@ -1067,7 +1130,7 @@ def run_launched(cmd: list, base: str, cfg: SoakConfig, log_path: Path, startup_
             err = wait_healthy(base, proc, startup_timeout, poll)
             startup_s = round(time.time() - t0, 1)
             if err:
-                result, records = {"server": {"url": base}, "config": dataclasses.asdict(cfg), "passed": False,
+                result, records = {"server": {"url": base}, "config": config_record(cfg), "passed": False,
                                    "setup_error": err, "problems": [err]}, []
             else:
                 result, records = run_soak(base, cfg, samplers, server_pid=proc.pid, proc=proc)
@@ -1082,7 +1145,8 @@ def main(argv: list | None = None) -> int:
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--launch", choices=("vllm", "sglang"), help="start this engine's server on --model")
     where.add_argument("--url", help="soak a running server, e.g. http://127.0.0.1:8000")
-    ap.add_argument("--model", help="checkpoint folder (--launch)")
+    ap.add_argument("--model", help="checkpoint folder (--launch; with --url optional: its tokenizer.json picks the "
+                    "prompt token ids)")
     ap.add_argument("--quantization", default="nvfp4", help="--quantization of the launched server ('none': omit)")
     ap.add_argument("--port", type=int, default=8123, help="port of the launched server")
     ap.add_argument("--mem-fraction", type=float, default=0.5, help="GPU memory share of the launched server")
@@ -1098,7 +1162,9 @@ def main(argv: list | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--long-tokens", type=int, default=1024, help="max_tokens of long outputs (capped at context/2)")
     ap.add_argument("--request-timeout", type=float, default=600)
-    ap.add_argument("--max-token-id", type=int, default=2000, help="token-id prompts draw ids from [16, this)")
+    ap.add_argument("--max-token-id", type=int, default=2000,
+                    help="token-id prompts draw ids from [16, this): with --model, only those whose vocabulary "
+                    "entry is plain ASCII text")
     ap.add_argument("--chat", choices=("auto", "on", "off"), default="auto",
                     help="auto: chat requests unless a probe gets a 4xx (e.g. a model without a chat template)")
     ap.add_argument("--invalid-share", type=float, default=INVALID_SHARE)
@@ -1111,7 +1177,9 @@ def main(argv: list | None = None) -> int:
     args = ap.parse_args(argv)
     cfg = SoakConfig(clients=args.clients, requests=args.requests, min_duration=args.min_duration, seed=args.seed,
                      long_tokens=args.long_tokens, request_timeout=args.request_timeout,
-                     max_token_id=args.max_token_id, chat=args.chat, model_name=args.model_name,
+                     max_token_id=args.max_token_id,
+                     token_ids=prompt_token_ids(args.model, args.max_token_id) if args.model else None,
+                     chat=args.chat, model_name=args.model_name,
                      max_model_len=args.max_model_len, sample_interval=args.sample_interval,
                      max_slope=args.max_slope, gpu=args.gpu, invalid_share=args.invalid_share,
                      disconnect_share=args.disconnect_share)

@@ -335,6 +335,15 @@ def test_server_pid_rss_of_a_leaking_process_tree(tmp_path):
     rss = res["memory"]["host_rss"]
     assert rss["end_mib"] > rss["start_mib"] + 50 and rss["flat"] is False
     assert res["valid"]["failed"] == 0 and not res["passed"]
+    # each process of the tree is shown on its own: the child holds the growth, the parent does not; only
+    # the tree's sum is judged
+    procs = {k: v for k, v in res["memory"].items() if k.startswith(soak.PER_PROCESS)}
+    assert len(procs) == 2 and all(v["source"].startswith("VmRSS of process ") for v in procs.values())
+    grew = sorted(procs.values(), key=lambda v: v["end_mib"] - v["start_mib"])
+    assert grew[0]["flat"] is True and grew[1]["flat"] is False
+    assert [p for p in res["problems"] if "not flat" in p] == [
+        f"host_rss not flat: {rss['slope_mib_per_min']} MiB/min over the second half (threshold 5.0)"]
+    assert "one process, not judged" in soak.markdown(res)
 
 
 def test_launch_waits_for_health_and_stops_the_process_group(tmp_path):
@@ -389,3 +398,39 @@ def test_gpu_memory_of_the_visible_gpus_only(monkeypatch):
     source, sample = soak.default_samplers(cfg, None)["gpu_memory"]
     assert source == "nvidia-smi memory.used, all GPUs" and sample() == 1000.0
     assert not any(a.startswith("--id") for a in calls[-1])
+
+
+def test_prompt_token_ids_are_plain_text_entries_of_the_tokenizer(tmp_path):
+    soak = _load_soak()
+    # byte-level BPE: "\u0120the" is " the"; lone bytes of multi-byte characters, byte fallback and added
+    # tokens are left out, and so are ids outside [16, hi)
+    vocab = {"!": 3, "a": 16, "\u0120the": 17, "\u010a": 18, "\u00e2": 19, "<0xE2>": 20, "<|im_end|>": 21, "ok": 22,
+             "x\u0109": 23, "far": 5000}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(
+        {"model": {"type": "BPE", "vocab": vocab}, "added_tokens": [{"id": 21, "content": "<|im_end|>"}]}))
+    assert soak.prompt_token_ids(tmp_path, 2000) == (16, 17, 18, 22)
+    # unigram (SentencePiece): [[piece, score], ...] in id order, "\u2581" is its space
+    pieces = [[f"<r{i}>", 0.0] for i in range(16)] + [["\u2581hello", -1.0], ["\u00e9", -2.0], ["ab", -3.0]]
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "Unigram", "vocab": pieces}}))
+    assert soak.prompt_token_ids(tmp_path, 2000) == (16, 18)
+    assert soak.prompt_token_ids(tmp_path / "missing", 2000) is None
+    # the plan draws its token-id prompts from them, and soak.json records their number, not the list
+    cfg = _cfg(soak, token_ids=(16, 18))
+    words = {"completions": (1.3, 8.0), "chat": (1.3, 20.0)}
+    plan = soak.Planner(cfg, soak.Target("127.0.0.1", 1, "m", 512, "x", True, words=words))
+    ids = {t for i in range(400) for sp in [plan.spec(i)] if sp.body and isinstance(sp.body.get("prompt"), list)
+           for t in sp.body["prompt"]}
+    assert ids == {16, 18}
+    assert soak.config_record(cfg)["token_ids"] == "2 plain-text ids of the tokenizer below 2000"
+
+
+def test_more_text_than_tokens_can_carry_fails():
+    # vLLM 0.26 + tokenizers 0.22 on broken-UTF-8 prompts: one token, the prompt's text as its output
+    soak = _load_soak()
+    spec = soak.Spec(index=0, category="valid", kind="k", endpoint="completions", body={}, max_tokens=14)
+    rec = soak.Record(index=0, category="valid", kind="k", endpoint="completions", stream=True, max_tokens=14)
+    soak._check_output(spec, rec, "x" * 765, "stop", {"completion_tokens": 1}, 1)
+    assert not rec.ok and rec.reason == "text_longer_than_tokens" and rec.detail.startswith("765 characters for 1")
+    rec = soak.Record(index=0, category="valid", kind="k", endpoint="completions", stream=True, max_tokens=14)
+    soak._check_output(spec, rec, "x" * 140, "stop", {"completion_tokens": 1}, 1)
+    assert rec.ok
