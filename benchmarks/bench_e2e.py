@@ -3,6 +3,7 @@
 
     python -m benchmarks.bench_e2e run --out DIR                 # models, every engine config, report
     python -m benchmarks.bench_e2e run --out DIR --engines vllm --models dense --configs ours marlin
+    python -m benchmarks.bench_e2e run --out DIR --models moe --configs ours marlin --tp 2 --ep   # expert parallel
     python -m benchmarks.bench_e2e report DIR                    # table + plot from DIR's JSON results
     python -m benchmarks.bench_e2e prebuild-sglang-jit           # SGLang's Marlin JIT kernels, ahead of `run`
     nvfp4-plugin bench e2e --out DIR ...                         # the same as `run`

@@ -19,8 +19,8 @@
 #               "llama qwen3_moe llama_small"): greedy text must match (integration/compare_tp.py ->
 #               $R/NAME-tp2.md); tp1 / tp2 run one side only (e.g. TP=1 on a one-GPU machine)
 #   ep          expert parallel, TP=2 + EP=2 (vLLM --enable-expert-parallel, SGLang --ep 2), against the
-#               TP=1 result of an earlier tp / tp1 step ($R/NAME-ep2.md); prints the MoE path the server
-#               logged; ep2 serves only
+#               TP=1 result of an earlier tp / tp1 step ($R/NAME-ep2.md; and TP=2 of a tp2 step, NAME-tp2.md);
+#               prints the MoE path the server logged; ep2 serves only
 #   cachecheck  serve one checkpoint with the default backend, then with the reference backend
 #   corrupt     a checkpoint with a missing scale tensor and one with an inf global scale must fail cleanly
 #   ref         CPU reference (integration/reference_logprobs.py: transformers fp32 on the dequantized
