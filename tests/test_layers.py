@@ -1,4 +1,5 @@
-"""Engine-neutral layers on the reference backend: equal to the reference linear / MoE."""
+"""Engine-neutral layers on the reference backend: equal to the reference linear / MoE (and the Hopper
+backend's per-forward state, interpreted on the CPU)."""
 
 import pytest
 import torch
@@ -81,3 +82,23 @@ def test_forward_ops_take_the_layer_key_not_its_tensors():
     assert torch.equal(layer(x), y)
     with pytest.raises(ValueError, match="tensors: expected keys"):
         layer.use_tensors({})
+
+
+def test_hopper_backend_rebuilds_its_packed_weights_only_for_another_tensor_dict():
+    # the forward keeps the PackedW4Weight of the last call's tensor dict (host time of every eager step);
+    # a layer that swaps in other tensors (use_tensors: a new dict) gets them used at its next forward
+    from nvfp4_plugin.layers.backends.hopper import HopperLinear
+    from nvfp4_plugin.layers.base import LinearSpec
+
+    g = torch.Generator().manual_seed(5)
+    backend = HopperLinear()
+    t, meta = backend.prepare(LinearSpec(32, 64, torch.bfloat16, "w4a16", torch.device("cpu")),
+                              Nvfp4Weight.quantize(torch.randn(32, 64, generator=g)), None)
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    y = backend.apply(t, meta, x)
+    (w,) = backend._weights(t, ("w_", meta[0]))
+    assert backend._weights(t, ("w_", meta[0]))[0] is w and w.words is t["w_words"]
+    t2 = {k: v.clone() for k, v in t.items()}
+    t2["w_alpha"] = t2["w_alpha"] * 2          # a power of two: the output doubles exactly
+    assert torch.equal(backend.apply(t2, meta, x), y * 2)
+    assert backend._weights(t2, ("w_", meta[0]))[0].words is t2["w_words"]

@@ -45,10 +45,21 @@ def _unpacked(prefix: str, layout, t: dict):
 
 
 class _Hopper(Backend):
-    """What the Hopper linear and MoE backends share: the name, sm_90 CUDA, bf16/fp16 activations."""
+    """What the Hopper linear and MoE backends share: the name, sm_90 CUDA, bf16/fp16 activations, and
+    the packed weights of the last forward's tensors (see :meth:`_weights`)."""
 
     name = "hopper_triton"
     archs = ((9, 0),)
+    _bound: tuple | None = None
+
+    def _weights(self, t: dict, *prefixed_layouts) -> tuple:
+        """The ``PackedW4Weight`` of each ``(prefix, layout)`` over the layer's tensors ``t``, built again
+        only when ``t`` is another dict than the last call's: a layer replaces its dict (``use_tensors``),
+        it never edits one. Saves rebuilding them on every forward, host time of every eager step."""
+        b = self._bound
+        if b is None or b[0] is not t:
+            b = self._bound = (t, tuple(_unpacked(p, lay, t) for p, lay in prefixed_layouts))
+        return b[1]
 
     @classmethod
     def unsupported_reason(cls, device, capability=None):
@@ -81,7 +92,8 @@ class HopperLinear(_Hopper):
         from ...gemm import w4_linear
 
         layout, mode = meta
-        return w4_linear(x, _unpacked("w_", layout, t), bias, mode=mode, input_global_scale=t.get("input_global_scale"))
+        (w,) = self._weights(t, ("w_", layout))
+        return w4_linear(x, w, bias, mode=mode, input_global_scale=t.get("input_global_scale"))
 
     def warmup_sizes(self, t, meta, max_tokens, **kw):
         from ...gemm import warmup_sizes_linear
@@ -111,8 +123,9 @@ class HopperMoe(_Hopper):
         from ...gemm import w4_fused_moe
 
         l13, l2, mode = meta
-        return w4_fused_moe(x, _unpacked("w13_", l13, t), _unpacked("w2_", l2, t), topk_weights, topk_ids, mode=mode,
-                            a13_global_scale=t.get("a13_global_scale"), a2_global_scale=t.get("a2_global_scale"))
+        w13, w2 = self._weights(t, ("w13_", l13), ("w2_", l2))
+        return w4_fused_moe(x, w13, w2, topk_weights, topk_ids, mode=mode, a13_global_scale=t.get("a13_global_scale"),
+                            a2_global_scale=t.get("a2_global_scale"))
 
     def apply_masked(self, t, meta, x, mask, out):
         """The masked layout (expert-parallel low-latency dispatch), numerics of :meth:`apply` row for row:
@@ -127,11 +140,12 @@ class HopperMoe(_Hopper):
 
         l13, l2, mode = meta
         num_e, max_m, _ = x.shape
+        w13, w2 = self._weights(t, ("w13_", l13), ("w2_", l2))
         kw13 = dict(mode=mode, input_global_scale=t["a13_global_scale"]) if mode == "w4a4" else {}
-        hmid = w4_masked(x, _unpacked("w13_", l13, t), mask, **kw13)
+        hmid = w4_masked(x, w13, mask, **kw13)
         act = silu_and_mul(hmid.view(num_e * max_m, l13.n)).view(num_e, max_m, l13.n // 2)
         kw2 = dict(mode=mode, input_global_scale=t["a2_global_scale"]) if mode == "w4a4" else {}
-        w4_masked(act, _unpacked("w2_", l2, t), mask, out=out, **kw2)
+        w4_masked(act, w2, mask, out=out, **kw2)
 
     def warmup_sizes(self, t, meta, max_tokens, *, top_k: int, **kw):
         from ...gemm import warmup_sizes_fused_moe
