@@ -271,6 +271,7 @@ BENCH_STUDIES = {
     "triton-quant": ("benchmarks.bench_triton_quant", ()),  # Triton MX / NVFP4 quantizers
     "quantize": ("benchmarks.bench_quantize", ()),      # the offline quantizer on the 8B shape
     "accuracy": ("benchmarks.bench_accuracy", ()),      # perplexity of real models per quantizer method
+    "layer-host": ("benchmarks.bench_layer_host", ()),  # host cost of a linear forward outside CUDA graphs
 }
 
 
@@ -413,7 +414,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-block-scales", action="store_true", help="skip reading block-scale values")
 
     p = sub.add_parser("bench", help="benchmark studies from a source checkout (benchmarks/README.md): e2e, gemm, "
-                                     "quant, triton-quant, quantize, accuracy; `nvfp4-plugin bench STUDY --help`")
+                                     "quant, triton-quant, quantize, accuracy, layer-host; "
+                                     "`nvfp4-plugin bench STUDY --help`")
     p.add_argument("study", choices=BENCH_STUDIES)
     p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the study (e.g. --out DIR --engines vllm)")
 

@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Host cost of one NVFP4 linear forward outside CUDA graphs: ours against vLLM's Marlin FP4 layer.
+
+    python3 -m benchmarks.bench_layer_host --out FILE.md           # GPU machine (vLLM bundle: Marlin too)
+    python3 -m benchmarks.bench_layer_host --out FILE.md --m 1 2048 --reps 200
+    nvfp4-plugin bench layer-host --out FILE.md
+
+vLLM runs a step inside its CUDA graphs only up to its largest captured batch (512 tokens by default);
+longer mixed prefill steps run the compiled model eagerly, and every linear layer then pays its Python
+and dispatch path on the host. On a small model (SmolLM2-135M: K = 576) the GPU work of a projection is
+a few microseconds, so that host path decides the step time. Per layer shape and token count:
+
+* ``eager µs``: wall time per call of back-to-back calls (``--reps`` of them, one sync at the end);
+  equal to the GPU time when the GPU is the bottleneck, above it when the host is;
+* ``GPU µs``: device time per call in a CUDA graph (no host path), the :func:`common.time_calls` timer;
+* for ours also ``op µs`` / ``apply µs``: the host time of the ``nvfp4_layers::linear`` op and of the
+  backend's ``apply`` alone with every kernel launch of the GEMM package stubbed out (pure Python and
+  dispatch cost; what ``eager`` minus launches is made of).
+
+Without a GPU it times the reference backend on the CPU (a smoke run: the table's form, not numbers
+to quote).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import time_calls  # noqa: E402
+
+#: (name, N, K): SmolLM2-135M's projections (q/k/v fused, o, gate/up fused, down) and two Llama-3-8B ones
+SHAPES = (("smollm2 qkv", 960, 576), ("smollm2 o", 576, 576), ("smollm2 gate_up", 3072, 576),
+          ("smollm2 down", 576, 1536), ("llama8b qkv", 6144, 4096), ("llama8b down", 4096, 14336))
+DEFAULT_M = (1, 64, 512, 2048)
+
+
+def _host_us(fn, reps: int, cuda: bool) -> float:
+    """Wall µs per call of ``reps`` back-to-back calls, the median of three such loops."""
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    runs = []
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        runs.append((time.perf_counter() - t) / reps * 1e6)
+    return statistics.median(runs)
+
+
+@contextlib.contextmanager
+def _no_gemm_launches():
+    """The GEMM package's kernel launches replaced by allocations of the output: what is left is host code."""
+    from nvfp4_plugin.gemm import api as G
+
+    def dequant_mm(x2, weight, bias, act_scale):
+        return torch.empty((x2.shape[0], weight.layout.n), dtype=x2.dtype, device=x2.device)
+
+    with mock.patch.object(G, "_launch", lambda *a, **k: None), mock.patch.object(G, "_dequant_mm", dequant_mm), \
+            mock.patch.object(G, "_gluon", lambda: None):
+        yield
+
+
+def _marlin(w, n: int, k: int):
+    """vLLM's Marlin FP4 layer on the same weight, or None and why."""
+    try:
+        from benchmarks.bench_gemm import _MarlinDense
+        gs_dec = (1.0 / w.global_scale.reshape(-1)[:1]).to(torch.float32)
+        return _MarlinDense(w.packed.reshape(n, -1), w.block_scale.reshape(n, -1), gs_dec, n, k), None
+    except Exception as exc:  # noqa: BLE001 - vLLM absent or its API moved: the column says why
+        return None, f"{type(exc).__name__}: {str(exc)[:100]}"
+
+
+def measure(shapes, ms, reps: int) -> list[dict]:
+    from nvfp4_plugin.layers import Nvfp4Linear
+    from nvfp4_plugin.weights import Nvfp4Weight
+
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    rows = []
+    for name, n, k in shapes:
+        w = Nvfp4Weight.quantize(torch.randn(n, k, device=dev))
+        layer = Nvfp4Linear(w)
+        marlin, why = _marlin(w, n, k) if cuda else (None, "no GPU")
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            row = {"shape": name, "n": n, "k": k, "m": m, "backend": layer.backend.name,
+                   "eager_us": _host_us(lambda: layer(x), reps, cuda)}
+            if cuda:
+                row["gpu_us"] = time_calls([lambda: layer(x)]) * 1e6
+                with _no_gemm_launches():
+                    row["op_us"] = _host_us(lambda: layer(x), reps, False)
+                    row["apply_us"] = _host_us(lambda: layer.backend.apply(layer.tensors, layer.meta, x), reps, False)
+                if marlin is not None:
+                    row["marlin_eager_us"] = _host_us(lambda: marlin(x), reps, True)
+                    row["marlin_gpu_us"] = time_calls([lambda: marlin(x)]) * 1e6
+                else:
+                    row["marlin"] = why
+            else:
+                row["op_us"] = row["eager_us"]
+                row["apply_us"] = _host_us(lambda: layer.backend.apply(layer.tensors, layer.meta, x), reps, False)
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    def f(v):
+        return "-" if v is None else f"{v:.1f}"
+
+    md = ["| shape | N x K | M | backend | eager µs | GPU µs | op µs (no launches) | apply µs (no launches) | "
+          "Marlin eager µs | Marlin GPU µs | eager ours / Marlin |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        me = r.get("marlin_eager_us")
+        ratio = f"{r['eager_us'] / me:.2f}x" if me else r.get("marlin", "-")
+        md.append(f"| {r['shape']} | {r['n']} x {r['k']} | {r['m']} | {r['backend']} | {f(r['eager_us'])} | "
+                  f"{f(r.get('gpu_us'))} | {f(r.get('op_us'))} | {f(r.get('apply_us'))} | {f(me)} | "
+                  f"{f(r.get('marlin_gpu_us'))} | {ratio} |")
+    return "\n".join(md)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="markdown file for the table (printed either way)")
+    ap.add_argument("--m", type=int, nargs="+", default=list(DEFAULT_M), help="token counts")
+    ap.add_argument("--reps", type=int, default=500, help="back-to-back calls per timing loop")
+    ap.add_argument("--shapes", nargs="+", default=None, help="subset of the shape names (e.g. 'smollm2 qkv')")
+    a = ap.parse_args(argv)
+    shapes = [s for s in SHAPES if a.shapes is None or s[0] in a.shapes]
+    with torch.no_grad():
+        rows = measure(shapes, a.m, a.reps)
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (smoke run)"
+    text = (f"# Host cost of one linear forward ({gpu}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__})\n\n"
+            f"`python3 benchmarks/bench_layer_host.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n"
+            + table(rows) + "\n")
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
