@@ -250,9 +250,8 @@ def w4_linear(x: torch.Tensor, weight: PackedW4Weight, bias: torch.Tensor | None
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
-        return y.reshape(*lead, n)
+        return torch.empty((*lead, n), dtype=x.dtype, device=x.device)
     act_scale, act_mode = None, 0
     if mode == "w4a4":
         if input_global_scale is None:
@@ -264,8 +263,9 @@ def w4_linear(x: torch.Tensor, weight: PackedW4Weight, bias: torch.Tensor | None
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     cfg = config or select_config("dense", m, n, k, device=x.device)
-    if cfg.dequant_mm:
+    if cfg.dequant_mm:      # allocates its own output
         return _dequant_mm(x2, weight, bias, act_scale).reshape(*lead, n)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if cfg.gluon:
         g = _gluon()
         if g is not None:
