@@ -18,9 +18,10 @@
 #   tp          TP=1 vs TP=2 (needs 2 GPUs) for ours on the ModelOpt checkpoints of $TP_MODELS (default
 #               "llama qwen3_moe llama_small"): greedy text must match (integration/compare_tp.py ->
 #               $R/NAME-tp2.md); tp1 / tp2 run one side only (e.g. TP=1 on a one-GPU machine)
-#   ep          expert parallel, TP=2 + EP=2 (vLLM --enable-expert-parallel, SGLang --ep 2), against the
-#               TP=1 result of an earlier tp / tp1 step ($R/NAME-ep2.md; and TP=2 of a tp2 step, NAME-tp2.md);
-#               prints the MoE path the server logged; ep2 serves only
+#   ep          expert parallel, TP=2 + EP=2 (vLLM --enable-expert-parallel, SGLang --ep-size 2) on
+#               $TP_MODELS (default "qwen3_moe qwen3_moe_small"), against the TP=1 result of an earlier
+#               tp / tp1 step ($R/NAME-ep2.md; and TP=2 of a tp2 step, NAME-tp2.md); prints the MoE path the
+#               server logged; ep2 serves only
 #   cachecheck  serve one checkpoint with the default backend, then with the reference backend
 #   corrupt     a checkpoint with a missing scale tensor and one with an inf global scale must fail cleanly
 #   ref         CPU reference (integration/reference_logprobs.py: transformers fp32 on the dequantized
@@ -109,9 +110,13 @@ for s in "$@"; do
              '{"pass_config": {"fuse_allreduce_rms": false}}')
         EP2=("${TP2[@]}" --enable-expert-parallel)
       else
-        TP2=(--tp 2 --disable-custom-all-reduce); EP2=("${TP2[@]}" --ep 2)
+        TP2=(--tp-size 2 --disable-custom-all-reduce); EP2=("${TP2[@]}" --ep-size 2)
       fi
-      for name in ${TP_MODELS:-llama qwen3_moe llama_small}; do
+      case "$s" in
+        ep|ep2) tp_models=${TP_MODELS:-qwen3_moe qwen3_moe_small} ;;
+        *) tp_models=${TP_MODELS:-llama qwen3_moe llama_small} ;;
+      esac
+      for name in $tp_models; do
         case "$s" in tp|tp1) serve "$name-tp1" "$M/$name-modelopt" --quantization nvfp4 ;; esac
         case "$s" in tp|tp2) serve "$name-tp2" "$M/$name-modelopt" --quantization nvfp4 -- "${TP2[@]}" ;; esac
         case "$s" in ep|ep2)
@@ -119,11 +124,15 @@ for s in "$@"; do
           # which expert-parallel format the engine handed our MoE method, as the server logged it
           grep -h -m 2 "nvfp4_plugin: [A-Za-z]* MoE" "$R/$name-ep2.log" 2>/dev/null ;; esac
         # TP=2 and EP=2 each against TP=1 (from this run or an earlier step of this hold)
-        for par in tp2 ep2; do
-          case "$s" in tp|ep) [ -f "$R/$name-$par.json" ] && [ -f "$R/$name-tp1.json" ] || continue
+        case "$s" in tp|ep)
+          for par in tp2 ep2; do
+            [ -f "$R/$name-$par.json" ] || continue
+            if [ ! -f "$R/$name-tp1.json" ]; then
+              echo "=== $name-$par: no TP=1 result to compare with (run the tp1 step first)"; status=1; continue
+            fi
             python3 integration/compare_tp.py "$R/$name-tp1.json" "$R/$name-$par.json" --md "$R/$name-$par.md" \
-              || status=1 ;; esac
-        done
+              || status=1
+          done ;; esac
       done ;;
     cachecheck)  # the reference backend after a default-backend run of the same model (vLLM's compile cache)
       serve "llama-ours-modelopt" "$M/llama-modelopt" --quantization nvfp4

@@ -444,8 +444,8 @@ def _check_output(spec: Spec, rec: Record, text: str, finish, usage, pieces: int
         rec.fail("stopped_before_max_tokens", f"ignore_eos, no stop string, {tokens} of {spec.max_tokens} tokens")
     if text == "" and finish == "length" and spec.max_tokens >= EMPTY_MIN_TOKENS:
         rec.fail("empty_output", f"no text after {spec.max_tokens} tokens")
-    if isinstance(rec.tokens, int) and len(text) > MAX_CHARS_PER_TOKEN * rec.tokens + 16:
-        rec.fail("text_longer_than_tokens", f"{len(text)} characters for {rec.tokens} tokens: {text[:80]!r}")
+    if isinstance(tokens, int) and len(text) > MAX_CHARS_PER_TOKEN * tokens + 16:   # usage's count only
+        rec.fail("text_longer_than_tokens", f"{len(text)} characters for {tokens} tokens: {text[:80]!r}")
     hit = [s for s in spec.stop if s in text]
     if hit:
         rec.fail("stop_string_in_output", f"stop {hit!r} in {text[-80:]!r}")
@@ -682,7 +682,7 @@ def tree_rss_mib(root: int) -> float | None:
 def visible_gpus() -> str | None:
     """The GPUs this soak's server may use: ``CUDA_VISIBLE_DEVICES`` when it lists indices or UUIDs, else
     None (all). Another job on the machine's other GPU then does not show in this soak's memory slope."""
-    ids = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    ids = os.environ.get("CUDA_VISIBLE_DEVICES", "").replace(" ", "")
     return ids if ids and ids != "-1" else None
 
 
@@ -703,8 +703,10 @@ def default_samplers(cfg: SoakConfig, server_pid: int | None) -> dict[str, tuple
     samplers = {}
     if cfg.gpu != "off" and shutil.which("nvidia-smi"):
         gpus = visible_gpus()
-        samplers["gpu_memory"] = (f"nvidia-smi memory.used, {f'GPUs {gpus}' if gpus else 'all GPUs'}",
-                                  lambda: gpu_used_mib(gpus))
+        source = f"nvidia-smi memory.used, {f'GPUs {gpus}' if gpus else 'all GPUs'}"
+        if gpus and gpu_used_mib(gpus) is None:   # ids nvidia-smi does not take (MIG, UUID prefixes): every GPU
+            source, gpus = f"nvidia-smi memory.used, all GPUs (it did not take --id={gpus})", None
+        samplers["gpu_memory"] = (source, lambda gpus=gpus: gpu_used_mib(gpus))
     if server_pid:
         samplers["host_rss"] = (f"VmRSS of process tree {server_pid}", lambda: tree_rss_mib(server_pid))
         # each process of the tree on its own (reported, not judged): which one a slope comes from (an engine's
@@ -988,6 +990,8 @@ def summarize(cfg: SoakConfig, info: dict, records: list, start: float, end: flo
     if bad_invalid:
         problems.append(f"invalid requests without a clean 4xx: {bad_invalid}")
     for name, m in memory.items():
+        if m["samples"] == 0 and not name.startswith(PER_PROCESS):
+            problems.append(f"{name}: no samples ({m['source']})")
         if m["flat"] is False and not name.startswith(PER_PROCESS):
             problems.append(f"{name} not flat: {m['slope_mib_per_min']} MiB/min over the second half "
                             f"(threshold {cfg.max_slope})")

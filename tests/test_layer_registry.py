@@ -53,3 +53,16 @@ def test_compiled_graph_calls_the_layer_by_key():
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     compiled = torch.compile(lambda t: core(t) * 2, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), core(x) * 2)
+
+
+def test_a_second_execution_of_the_registry_is_refused_by_name():
+    # the ops' kernels look layers up in the registry of the first import: a second copy of the module
+    # (importlib.reload, a second load of the file) must not define them again
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("nvfp4_registry_copy", registry.__file__)
+    with pytest.raises(RuntimeError, match="the nvfp4_layers ops are already defined in this process"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    module = engine_module(3)
+    assert torch.equal(torch.ops.nvfp4_layers.linear(x, None, module.nvfp4_core.key), module.nvfp4_core(x))

@@ -398,6 +398,16 @@ def test_gpu_memory_of_the_visible_gpus_only(monkeypatch):
     source, sample = soak.default_samplers(cfg, None)["gpu_memory"]
     assert source == "nvidia-smi memory.used, all GPUs" and sample() == 1000.0
     assert not any(a.startswith("--id") for a in calls[-1])
+    # ids nvidia-smi does not take (a MIG device, a UUID prefix): every GPU, and the source says why
+    def picky_run(cmd, **kw):
+        calls.append(cmd)
+        bad = any(a.startswith("--id=MIG") for a in cmd)
+        return soak.subprocess.CompletedProcess(cmd, 6 if bad else 0, stdout="" if bad else "100\n900\n")
+
+    monkeypatch.setattr(soak.subprocess, "run", picky_run)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-1234")
+    source, sample = soak.default_samplers(cfg, None)["gpu_memory"]
+    assert source == "nvidia-smi memory.used, all GPUs (it did not take --id=MIG-1234)" and sample() == 1000.0
 
 
 def test_prompt_token_ids_are_plain_text_entries_of_the_tokenizer(tmp_path):
@@ -434,3 +444,17 @@ def test_more_text_than_tokens_can_carry_fails():
     rec = soak.Record(index=0, category="valid", kind="k", endpoint="completions", stream=True, max_tokens=14)
     soak._check_output(spec, rec, "x" * 140, "stop", {"completion_tokens": 1}, 1)
     assert rec.ok
+    # without usage the count is the stream's chunks, and an engine may merge tokens into one chunk: not judged
+    rec = soak.Record(index=0, category="valid", kind="k", endpoint="completions", stream=True, max_tokens=14)
+    soak._check_output(spec, rec, "x" * 765, "stop", None, 1)
+    assert rec.ok
+
+
+def test_a_memory_series_without_samples_is_a_problem():
+    # a sampler that never answers (nvidia-smi failing) must not pass the soak as "not judged"
+    soak = _load_soak()
+    samplers = {"gpu_memory": ("injected, failing", lambda: None), "host_rss": ("injected", lambda: 100.0)}
+    with FakeOpenAI() as srv:
+        res, _ = soak.run_soak(srv.url, _cfg(soak, min_duration=1.0), samplers=samplers)
+    assert "gpu_memory: no samples (injected, failing)" in res["problems"] and not res["passed"]
+    assert res["memory"]["host_rss"]["flat"] is True
