@@ -71,17 +71,9 @@ def _no_gemm_launches():
         yield
 
 
-def _marlin(w, n: int, k: int):
-    """vLLM's Marlin FP4 layer on the same weight, or None and why."""
-    try:
-        from benchmarks.bench_gemm import _MarlinDense
-        gs_dec = (1.0 / w.global_scale.reshape(-1)[:1]).to(torch.float32)
-        return _MarlinDense(w.packed.reshape(n, -1), w.block_scale.reshape(n, -1), gs_dec, n, k), None
-    except Exception as exc:  # noqa: BLE001 - vLLM absent or its API moved: the column says why
-        return None, f"{type(exc).__name__}: {str(exc)[:100]}"
-
-
 def measure(shapes, ms, reps: int) -> list[dict]:
+    from benchmarks.bench_gemm import marlin_or_reason
+    from nvfp4_plugin.gemm import prepack
     from nvfp4_plugin.layers import Nvfp4Linear
     from nvfp4_plugin.weights import Nvfp4Weight
 
@@ -91,7 +83,7 @@ def measure(shapes, ms, reps: int) -> list[dict]:
     for name, n, k in shapes:
         w = Nvfp4Weight.quantize(torch.randn(n, k, device=dev))
         layer = Nvfp4Linear(w)
-        marlin, why = _marlin(w, n, k) if cuda else (None, "no GPU")
+        marlin, why = marlin_or_reason(prepack(w)) if cuda else (None, "no GPU")
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             row = {"shape": name, "n": n, "k": k, "m": m, "backend": layer.backend.name,
