@@ -72,6 +72,8 @@ CONFIGS = {
 }
 BUILTIN = {"vllm": ("marlin", "humming"), "sglang": ("builtin",)}
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+#: further prefill shapes (prompts x tokens): one chunk of 16384 tokens, half of one, four; ms per run of each
+PREFILL_SHAPES = ("16x1024", "8x1024", "64x1024")
 
 
 def parallel_tag(tp: int, ep: bool) -> str:
@@ -402,6 +404,28 @@ def run_sweep(result: dict, timed, a) -> None:
     result["prefill"] = {"first_tok_s": round(rates[0], 1), "tok_s": round(statistics.median(rates[1:]), 1),
                          "runs_tok_s": [round(r, 1) for r in rates[1:]], "prompts": n, "prompt_len": length}
     print(f"[{a.engine} {a.model} {a.config}] prefill: {result['prefill']}", flush=True)
+    # the same at other shapes: ms per run against engine steps per run separates a per-step cost from a
+    # per-run one (one full chunk of max_num_batched_tokens, several, a partial one)
+    result["prefill_shapes"] = {}
+    for shape in a.prefill_shapes:
+        n, length = parse_shape(shape)
+        runs = [timed(n, length, 1)[1] for _ in range(1 + a.repeats)]
+        ms = 1e3 * statistics.median(runs[1:])
+        result["prefill_shapes"][shape] = {"ms_per_run": round(ms, 2), "first_ms": round(1e3 * runs[0], 2),
+                                           "tok_s": round(n * length / ms * 1e3, 1)}
+    if result["prefill_shapes"]:
+        print(f"[{a.engine} {a.model} {a.config}] prefill shapes: {result['prefill_shapes']}", flush=True)
+
+
+def parse_shape(shape: str) -> tuple[int, int]:
+    """``"16x1024"`` -> (16 prompts, 1024 tokens each)."""
+    try:
+        n, length = (int(v) for v in shape.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--prefill-shapes: expected PROMPTSxLEN (e.g. 16x1024), got {shape!r}") from None
+    if n < 1 or length < 1:
+        raise ValueError(f"--prefill-shapes: expected positive PROMPTSxLEN, got {shape!r}")
+    return n, length
 
 
 def worker(a) -> int:
@@ -540,6 +564,7 @@ def run(a) -> int:
                        "--config", config, "--model-path", str(paths[model][kind]), "--out", str(res_path),
                        "--batches", *map(str, a.batches), "--prompt-len", str(a.prompt_len),
                        "--gen-len", str(a.gen_len), "--prefill", *map(str, a.prefill),
+                       "--prefill-shapes", *a.prefill_shapes,
                        "--mem-fraction", str(a.mem_fraction), "--max-model-len", str(a.max_model_len),
                        "--repeats", str(a.repeats), "--tp", str(a.tp)] + (["--ep"] if a.ep else [])
                 if a.profile_batches and engine == "vllm":
@@ -650,6 +675,20 @@ def profile_summary(rows: list[dict]) -> list[str]:
              "kernel launches / step |", "|---|---:|---:|---:|---:|---:|---:|"] + lines + [""])
 
 
+def prefill_shape_summary(rows: list[dict]) -> list[str]:
+    """ms per prefill run at each ``--prefill-shapes`` shape, per configuration (where recorded)."""
+    shapes = sorted({s for r in rows for s in (r.get("prefill_shapes") or {})}, key=parse_shape)
+    if not shapes:
+        return []
+    md = ["Prefill runs by shape (prompts x tokens), ms per run (median; first run in brackets):", "",
+          "| config | " + " | ".join(shapes) + " |", "|---|" + "---:|" * len(shapes)]
+    for r in rows:
+        got = r.get("prefill_shapes") or {}
+        md.append(f"| {r['config']} | " + " | ".join(
+            f"{got[s]['ms_per_run']:.1f} ({got[s]['first_ms']:.1f})" if s in got else "-" for s in shapes) + " |")
+    return md + [""]
+
+
 def allocator_summary(rows: list[dict]) -> list[str]:
     """The worker's allocator counters over one extra prefill run, per configuration (where recorded)."""
     have = [r for r in rows if r.get("prefill_allocator") and "error" not in r["prefill_allocator"]]
@@ -698,6 +737,7 @@ def report(out: Path) -> str:
                       + (f" | {pre:.0f} |" if pre else " | - |"))
         md += [""] + [f"- {line}" for line in checks(rows, engine, model)] + [""]
         md += allocator_summary(rows)
+        md += prefill_shape_summary(rows)
         md += profile_summary(rows)
         for r in rows:
             for b, prof in (r.get("profile") or {}).items():
@@ -770,6 +810,8 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--prompt-len", type=int, default=128)
         p.add_argument("--gen-len", type=int, default=256)
         p.add_argument("--prefill", type=int, nargs=2, default=[64, 896], metavar=("PROMPTS", "LEN"))
+        p.add_argument("--prefill-shapes", nargs="*", default=list(PREFILL_SHAPES), metavar="PROMPTSxLEN",
+                       help="further prefill runs, ms per run each (per-step against per-run costs)")
         p.add_argument("--mem-fraction", type=float, default=0.85)
         p.add_argument("--max-model-len", type=int, default=2048)
         p.add_argument("--repeats", type=int, default=3,

@@ -272,6 +272,7 @@ BENCH_STUDIES = {
     "quantize": ("benchmarks.bench_quantize", ()),      # the offline quantizer on the 8B shape
     "accuracy": ("benchmarks.bench_accuracy", ()),      # perplexity of real models per quantizer method
     "layer-host": ("benchmarks.bench_layer_host", ()),  # host cost of a linear forward outside CUDA graphs
+    "moe": ("benchmarks.bench_moe", ()),                # one fused-MoE layer by stage vs vLLM's bf16 fused_experts
 }
 
 
@@ -414,7 +415,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-block-scales", action="store_true", help="skip reading block-scale values")
 
     p = sub.add_parser("bench", help="benchmark studies from a source checkout (benchmarks/README.md): e2e, gemm, "
-                                     "quant, triton-quant, quantize, accuracy, layer-host; "
+                                     "quant, triton-quant, quantize, accuracy, layer-host, moe; "
                                      "`nvfp4-plugin bench STUDY --help`")
     p.add_argument("study", choices=BENCH_STUDIES)
     p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the study (e.g. --out DIR --engines vllm)")

@@ -106,15 +106,28 @@ def test_prompts_are_fresh_and_inside_the_vocabulary(tmp_path):
 def test_run_sweep_reports_the_median_after_a_warmup():
     import argparse
     times = iter([2.0, 1.0, 4.0, 2.0,      # batch 1: warm-up, then three runs (256 tokens each)
-                  9.0, 1.0, 1.0, 1.0, 1.0])  # prefill: warm-up + three
+                  9.0, 1.0, 1.0, 1.0,        # prefill: warm-up + three
+                  0.5, 0.02, 0.03, 0.01])    # prefill shape 4x100: warm-up + three
     a = argparse.Namespace(batches=[1], prompt_len=4, gen_len=256, prefill=[2, 8], repeats=3, engine="vllm",
-                           model="dense", config="ours")
+                           model="dense", config="ours", prefill_shapes=["4x100"])
     res = {}
-    E.run_sweep(res, lambda n, length, gen: (n * gen, next(times)), a)
+    shapes = []
+    E.run_sweep(res, lambda n, length, gen: (shapes.append((n, length)), (n * gen, next(times)))[1], a)
+    assert shapes[-4:] == [(4, 100)] * 4
+    assert res["prefill_shapes"] == {"4x100": {"ms_per_run": 20.0, "first_ms": 500.0, "tok_s": 20000.0}}
+    assert E.prefill_shape_summary([dict(res, config="ours"), {"config": "bf16"}])[2:5] == [
+        "| config | 4x100 |", "|---|---:|", "| ours | 20.0 (500.0) |"]
     d = res["decode"]["1"]
     assert d["first_tok_s"] == 128.0 and d["runs_tok_s"] == [256.0, 64.0, 128.0] and d["tok_s"] == 128.0
     assert d["ms_per_step"] == pytest.approx(1e3 / 128.0, abs=1e-3)
     assert res["prefill"]["first_tok_s"] == pytest.approx(16 / 9.0, abs=0.1) and res["prefill"]["tok_s"] == 16.0
+
+
+def test_prefill_shapes_parse_and_refuse_bad_ones():
+    assert E.parse_shape("16x1024") == (16, 1024) and E.parse_shape("8X64") == (8, 64)
+    for bad in ("16", "x1024", "0x8", "ax3"):
+        with pytest.raises(ValueError, match="--prefill-shapes"):
+            E.parse_shape(bad)
 
 
 def test_prebuild_sglang_jit_imports_first_then_builds_each(tmp_path, monkeypatch):
@@ -204,4 +217,6 @@ def test_run_hands_the_parallelism_to_each_worker(tmp_path, monkeypatch):
     assert len(cmds) == 2 and all(c[c.index("--tp") + 1] == "2" and "--ep" in c for c in cmds)
     assert sorted(p.name for p in tmp_path.glob("*.log")) == ["vllm-moe-marlin-tp2-ep.log", "vllm-moe-ours-tp2-ep.log"]
     assert all(c[c.index("--out") + 1].endswith("-tp2-ep.json") for c in cmds)
+    assert all(c[c.index("--prefill-shapes") + 1:c.index("--prefill-shapes") + 4] == list(E.PREFILL_SHAPES)
+               for c in cmds)
 

@@ -33,11 +33,24 @@ def test_routing_kernel_equals_stable_sort(t, top_k, e, dtype, invalid):
     assert torch.equal(want["expert_offsets"].cpu()[1:].long(), counts.cumsum(0))
 
 
-def test_routing_large_batches_use_the_sort():
-    ids = _ids(G.ROUTE_KERNEL_MAX_ROWS // 4 + 1, 4, 32, seed=0).to(DEV)
-    r = G.moe_routing(ids, 32)
-    assert int(r["expert_offsets"][-1]) == ids.numel()
-    assert torch.equal(ids.reshape(-1)[r["scatter_idx"].long()].sort().values.cpu(), ids.reshape(-1).sort().values.cpu())
+@pytest.mark.parametrize("t,top_k,e,invalid", [
+    (G.ROUTE_KERNEL_MAX_ROWS // 4 + 1, 4, 32, False),          # just past the one-program kernel
+    (1300, 8, 128, True),                                      # 10400 pairs: a partial last block
+    (G.ROUTE_BLOCK, 6, 7, True)])                              # whole blocks, E + 1 not a power of two
+def test_routing_blocks_equal_stable_sort(t, top_k, e, invalid):
+    """Beyond ROUTE_KERNEL_MAX_ROWS pairs the per-block counting sort (histograms, scan, placement): the
+    same bytes as the stable sort, ids outside [0, E) last."""
+    assert t * top_k > G.ROUTE_KERNEL_MAX_ROWS
+    ids = _ids(t, top_k, e, seed=t, invalid=invalid).to(DEV)
+    if invalid:
+        ids[t // 2, 1], ids[t // 3, 0] = -5, e + 3
+    got = G.moe_routing(ids, e)
+    want = G._routing_torch(ids.reshape(-1).to(torch.int64), e, top_k)
+    for name in ("expert_offsets", "gather_idx", "scatter_idx"):
+        assert torch.equal(got[name].cpu(), want[name].cpu()), name
+    valid = int(((ids >= 0) & (ids < e)).sum())
+    assert int(got["expert_offsets"][-1]) == valid
+    assert (valid < ids.numel()) == invalid
 
 
 def _special_values(dtype):

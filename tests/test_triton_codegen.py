@@ -95,6 +95,7 @@ cases = [
     ("scale_search", lambda: scale_search.search_block_scales(x.float(), gs)),
     ("scale_search_weighted", lambda: scale_search.search_block_scales(x.float(), gs, col_weight=torch.ones(512))),
     ("moe_routing", on_gpu_path(lambda: moe_glue.moe_routing(torch.zeros(64, 8, dtype=torch.int32), 128))),
+    ("moe_routing_blocks", on_gpu_path(lambda: moe_glue.moe_routing(torch.zeros(2048, 8, dtype=torch.int32), 128))),
     ("moe_silu_and_mul", on_gpu_path(lambda: moe_glue.silu_and_mul(x))),
     ("moe_combine", on_gpu_path(lambda: moe_glue.moe_combine(torch.zeros(64 * 8, 512, dtype=torch.bfloat16),
                                                              torch.zeros(64, 8), torch.zeros(64, 8, dtype=torch.int32),
@@ -146,6 +147,8 @@ def test_gpu_code_paths_compile_for_sm90_and_keep_ieee_semantics():
     for name, kernel in (("moe_routing", "_route_kernel"), ("moe_silu_and_mul", "_silu_mul_kernel"),
                          ("moe_combine", "_combine_kernel"), ("scale_search", "_mse_scale_kernel")):
         assert report[name]["kernels"] == [kernel], (name, report[name]["kernels"])
+    assert report["moe_routing_blocks"]["kernels"] == ["_route_hist_kernel", "_route_scan_kernel",
+                                                       "_route_block_place_kernel"], report["moe_routing_blocks"]
     for name in ("scaled_fp4_quant", "nvfp4_forward", "staging"):
         assert report[name]["div_rn"] > 0, name                # IEEE 1 / s and s / gs
         assert report[name]["cvt_e4m3"] > 0, name              # hardware E4M3 rounding of the scales

@@ -21,6 +21,7 @@ from .. import numerics as nx
 from .._checks import check_choice, check_shape, check_tensor
 from . import triton_w4 as tk
 from .layout import PackedW4Weight
+from . import moe_glue
 from .moe_glue import moe_combine, moe_routing, silu_and_mul
 from .select import TritonWgmmaConfig, W4Config, _num_sms, config_fn, first_sizes, select_config
 
@@ -333,7 +334,8 @@ def warmup_sizes_fused_moe(w13: PackedW4Weight, w2: PackedW4Weight, top_k: int, 
 
     def variant(t: int) -> tuple:
         rows = t * top_k
-        return _grouped_variant(rows, num_e, sel13(rows)), _grouped_variant(rows, num_e, sel2(rows))
+        return (rows > moe_glue.ROUTE_KERNEL_MAX_ROWS,      # routing: one program, or per-block kernels
+                _grouped_variant(rows, num_e, sel13(rows)), _grouped_variant(rows, num_e, sel2(rows)))
 
     return first_sizes(variant, max_tokens)
 

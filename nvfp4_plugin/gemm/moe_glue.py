@@ -8,7 +8,7 @@ same IEEE fp32 operations in the same order) and of :func:`nvfp4_plugin.referenc
 
 * :func:`moe_routing`: (token, slot) pairs sorted by expert, stable (the order of
   ``torch.argsort(stable=True)``), with the expert offsets; one program for up to
-  :data:`ROUTE_KERNEL_MAX_ROWS` pairs (every decode step), torch's sort beyond.
+  :data:`ROUTE_KERNEL_MAX_ROWS` pairs (every decode step), a per-block counting sort beyond.
 * :func:`silu_and_mul`: ``silu(gate) * up`` of the w13 output, rounded once.
 * :func:`moe_combine`: ``sum_k w[t, k] * y[t, k]`` in fp32 in slot order, rounded once; a pair whose
   expert id is outside ``[0, E)`` contributes nothing (its row of ``y`` is never written).
@@ -25,36 +25,33 @@ from .._checks import check_shape, check_tensor
 from ..triton import _runtime as rt
 from ..triton._jit_numerics import bits_f32, load_f32, store_f32
 
-#: Routed pairs up to which one program sorts them (decode and small prefill steps); a chunk of
-#: ROUTE_CHUNK pairs costs a ROUTE_CHUNK^2 comparison, so larger batches go through torch's sort.
+#: Routed pairs up to which one program sorts them (decode and small prefill steps: one launch); beyond,
+#: blocks of ROUTE_BLOCK pairs each place their own pairs (three launches: histograms, scan, placement).
 ROUTE_KERNEL_MAX_ROWS = 4096
+ROUTE_BLOCK = 1024
+#: pairs ranked together: a chunk costs a ROUTE_CHUNK^2 comparison
 ROUTE_CHUNK = 64
 
 
-# Row and token counts change from call to call: not specialized on (see warm-up in nvfp4_plugin.layers).
-@triton.jit(do_not_specialize=["R"])
-def _route_kernel(ids_ptr, offsets_ptr, gather_ptr, scatter_ptr, cursor_ptr, R, TOP_K, E,
-                  E_BINS: tl.constexpr, CH: tl.constexpr):
-    """One program: expert histogram -> offsets, then each pair's slot = its expert's running cursor +
-    its rank among the same expert's pairs earlier in its chunk (chunks in order: a stable sort).
-    Bin E collects ids outside [0, E): they land after every expert's rows (offsets[E] excludes them)."""
+@triton.jit
+def _route_keys(ids_ptr, c0, R, E, lane):
+    """Expert ids of pairs ``c0 + lane`` (bin E for ids outside [0, E)), and which of them exist."""
+    ok = c0 + lane < R
+    ids = tl.load(ids_ptr + c0 + lane, mask=ok, other=0).to(tl.int32)
+    return tl.where(ok & (ids >= 0) & (ids < E), ids, E), ok
+
+
+@triton.jit
+def _route_place(ids_ptr, gather_ptr, scatter_ptr, cursor_ptr, lo, hi, R, TOP_K, E,
+                 E_BINS: tl.constexpr, CH: tl.constexpr):
+    """Place pairs ``[lo, hi)`` in order: each pair's slot is its expert's running cursor (``cursor_ptr``,
+    this program's own ``E_BINS`` counters, starting at the first slot the range owns per expert) plus its
+    rank among the same expert's pairs earlier in its chunk (chunks in order: a stable sort)."""
     bins = tl.arange(0, E_BINS)
     lane = tl.arange(0, CH)
-    counts = tl.zeros([E_BINS], dtype=tl.int32)
-    for c0 in range(0, R, CH):
-        ok = c0 + lane < R
-        ids = tl.load(ids_ptr + c0 + lane, mask=ok, other=0).to(tl.int32)
-        ids = tl.where(ok & (ids >= 0) & (ids < E), ids, E)
-        counts += tl.histogram(ids, E_BINS, mask=ok)
-    starts = tl.cumsum(counts, 0) - counts
-    tl.store(offsets_ptr + bins, starts, mask=bins <= E)
-    tl.store(cursor_ptr + bins, starts)
-    tl.debug_barrier()
     earlier = lane[None, :] < lane[:, None]
-    for c0 in range(0, R, CH):
-        ok = c0 + lane < R
-        ids = tl.load(ids_ptr + c0 + lane, mask=ok, other=0).to(tl.int32)
-        ids = tl.where(ok & (ids >= 0) & (ids < E), ids, E)
+    for c0 in range(lo, hi, CH):
+        ids, ok = _route_keys(ids_ptr, c0, tl.minimum(hi, R), E, lane)
         rank = tl.sum(((ids[:, None] == ids[None, :]) & earlier).to(tl.int32), 1)
         pos = tl.load(cursor_ptr + ids, mask=ok, other=0) + rank
         pair = c0 + lane
@@ -67,7 +64,67 @@ def _route_kernel(ids_ptr, offsets_ptr, gather_ptr, scatter_ptr, cursor_ptr, R, 
         tl.debug_barrier()
 
 
+@triton.jit
+def _route_counts(ids_ptr, lo, hi, R, E, E_BINS: tl.constexpr, CH: tl.constexpr):
+    lane = tl.arange(0, CH)
+    counts = tl.zeros([E_BINS], dtype=tl.int32)
+    for c0 in range(lo, hi, CH):
+        ids, ok = _route_keys(ids_ptr, c0, tl.minimum(hi, R), E, lane)
+        counts += tl.histogram(ids, E_BINS, mask=ok)
+    return counts
+
+
+# Row and token counts change from call to call: not specialized on (see warm-up in nvfp4_plugin.layers).
+@triton.jit(do_not_specialize=["R"])
+def _route_kernel(ids_ptr, offsets_ptr, gather_ptr, scatter_ptr, cursor_ptr, R, TOP_K, E,
+                  E_BINS: tl.constexpr, CH: tl.constexpr):
+    """One program: expert histogram -> offsets, then every pair placed (:func:`_route_place`).
+    Bin E collects ids outside [0, E): they land after every expert's rows (offsets[E] excludes them)."""
+    bins = tl.arange(0, E_BINS)
+    counts = _route_counts(ids_ptr, 0, R, R, E, E_BINS, CH)
+    starts = tl.cumsum(counts, 0) - counts
+    tl.store(offsets_ptr + bins, starts, mask=bins <= E)
+    tl.store(cursor_ptr + bins, starts)
+    tl.debug_barrier()
+    _route_place(ids_ptr, gather_ptr, scatter_ptr, cursor_ptr, 0, R, R, TOP_K, E, E_BINS, CH)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _route_hist_kernel(ids_ptr, counts_ptr, R, E, E_BINS: tl.constexpr, BLK: tl.constexpr, CH: tl.constexpr):
+    """Program b: the expert histogram of pairs ``[b * BLK, (b + 1) * BLK)`` into ``counts[b]``."""
+    b = tl.program_id(0)
+    counts = _route_counts(ids_ptr, b * BLK, b * BLK + BLK, R, E, E_BINS, CH)
+    tl.store(counts_ptr + b * E_BINS + tl.arange(0, E_BINS), counts)
+
+
+@triton.jit(do_not_specialize=["NB"])
+def _route_scan_kernel(counts_ptr, offsets_ptr, NB, E, E_BINS: tl.constexpr):
+    """One program: expert offsets from every block's histogram, and each block's first slot per expert
+    (the offset plus the same expert's pairs in earlier blocks), written over its histogram."""
+    bins = tl.arange(0, E_BINS)
+    total = tl.zeros([E_BINS], dtype=tl.int32)
+    for b in range(0, NB):
+        total += tl.load(counts_ptr + b * E_BINS + bins)
+    run = tl.cumsum(total, 0) - total
+    tl.store(offsets_ptr + bins, run, mask=bins <= E)
+    for b in range(0, NB):
+        c = tl.load(counts_ptr + b * E_BINS + bins)
+        tl.store(counts_ptr + b * E_BINS + bins, run)
+        run += c
+
+
+@triton.jit(do_not_specialize=["R"])
+def _route_block_place_kernel(ids_ptr, gather_ptr, scatter_ptr, cursor_ptr, R, TOP_K, E, E_BINS: tl.constexpr,
+                              BLK: tl.constexpr, CH: tl.constexpr):
+    """Program b places pairs ``[b * BLK, (b + 1) * BLK)`` from its first slots ``cursor[b]``."""
+    b = tl.program_id(0)
+    _route_place(ids_ptr, gather_ptr, scatter_ptr, cursor_ptr + b * E_BINS, b * BLK, b * BLK + BLK, R, TOP_K, E,
+                 E_BINS, CH)
+
+
 def _routing_torch(flat: torch.Tensor, num_experts: int, top_k: int) -> dict[str, torch.Tensor]:
+    """The definition (``torch.argsort(stable=True)`` of the expert ids, ids outside [0, E) last): the CPU path
+    and the tests' reference."""
     valid = (flat >= 0) & (flat < num_experts)
     key = torch.where(valid, flat, torch.full_like(flat, num_experts))
     order = torch.argsort(key, stable=True)
@@ -85,6 +142,8 @@ def moe_routing(topk_ids: torch.Tensor, num_experts: int) -> dict[str, torch.Ten
     Returns ``expert_offsets`` int32 ``[E+1]``, ``gather_idx`` int32 (token of each sorted pair) and
     ``scatter_idx`` int32 (pair id ``token * top_k + slot`` of each sorted pair). Pairs whose id is
     outside ``[0, E)`` come last, past ``expert_offsets[E]`` (the grouped GEMMs ignore those rows).
+    Up to :data:`ROUTE_KERNEL_MAX_ROWS` pairs one kernel does it all; beyond, three (per-block
+    histograms, a scan, per-block placement).
     """
     check_tensor("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64), ndim=2)
     if num_experts < 1:
@@ -93,15 +152,26 @@ def moe_routing(topk_ids: torch.Tensor, num_experts: int) -> dict[str, torch.Ten
     flat = topk_ids.reshape(-1)
     rows = flat.numel()
     dev = flat.device
-    if rows > ROUTE_KERNEL_MAX_ROWS or rows == 0 or not (flat.is_cuda or rt.interpreting()):
+    if rows == 0 or not (flat.is_cuda or rt.interpreting()):
         return _routing_torch(flat.to(torch.int64), num_experts, max(top_k, 1))
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
     gather = torch.empty(rows, dtype=torch.int32, device=dev)
     scatter = torch.empty(rows, dtype=torch.int32, device=dev)
     bins = triton.next_power_of_2(num_experts + 1)
-    cursor = torch.empty(bins, dtype=torch.int32, device=dev)
-    _route_kernel[(1,)](flat, offsets, gather, scatter, cursor, rows, top_k, num_experts,
-                        E_BINS=bins, CH=ROUTE_CHUNK, num_warps=4)
+    if rows <= ROUTE_KERNEL_MAX_ROWS:
+        cursor = torch.empty(bins, dtype=torch.int32, device=dev)
+        _route_kernel[(1,)](flat, offsets, gather, scatter, cursor, rows, top_k, num_experts,
+                            E_BINS=bins, CH=ROUTE_CHUNK, num_warps=4)
+    else:
+        nb = triton.cdiv(rows, ROUTE_BLOCK)
+        cursor = torch.empty((nb, bins), dtype=torch.int32, device=dev)
+        _route_hist_kernel[(nb,)](flat, cursor, rows, num_experts, E_BINS=bins, BLK=ROUTE_BLOCK, CH=ROUTE_CHUNK,
+                                  num_warps=4)
+        _route_scan_kernel[(1,)](cursor, offsets, nb, num_experts, E_BINS=bins, num_warps=4)
+        _route_block_place_kernel[(nb,)](flat, gather, scatter, cursor, rows, top_k, num_experts, E_BINS=bins,
+                                         BLK=ROUTE_BLOCK, CH=ROUTE_CHUNK, num_warps=4)
     return {"expert_offsets": offsets, "gather_idx": gather, "scatter_idx": scatter}
 
 

@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""One fused-MoE layer forward: ours (``w4_fused_moe``, w4a16) against vLLM's bf16 ``fused_experts``, by stage.
+
+    python3 -m benchmarks.bench_moe --out FILE.md                   # GPU machine (vLLM bundle: the bf16 peer)
+    python3 -m benchmarks.bench_moe --out FILE.md --tokens 8192 16384 --model deepseek-v3
+    nvfp4-plugin bench moe --out FILE.md
+
+The served MoE model's prefill is slower than bf16's in vLLM (issue 37) while our grouped GEMMs alone
+match the bf16 kernel: the difference is in what runs around them. Per token count, on the same random
+top-k routing for both:
+
+* ``ours µs`` / ``vLLM bf16 µs``: device time of the whole layer per call (CUDA graph of calls over
+  rotated routings, so the experts touched exceed the L2; :func:`common.time_calls`);
+* ``routing`` / ``up`` / ``SiLU-mul`` / ``down`` / ``combine``: each of our stages alone, timed the same
+  way (``up`` includes the copy of the routed rows into expert order that the Gluon kernel's TMA
+  loads need);
+* ``eager µs``: wall time per call of back-to-back eager calls (one sync at the end): above the device
+  time when the host path is the bottleneck.
+
+The peer is vLLM's Triton ``fused_experts`` on the same weights dequantized to bf16 (what ``--dtype bf16``
+serves); without vLLM its columns say why. Without a GPU, ``--smoke`` runs a tiny shape through the
+interpreter (the table's form, not numbers to quote).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import bench_gemm as BG  # noqa: E402
+from benchmarks.common import time_calls  # noqa: E402
+from nvfp4_plugin.gemm import moe_routing, w4_fused_moe, w4_grouped  # noqa: E402
+from nvfp4_plugin.gemm.moe_glue import moe_combine, silu_and_mul  # noqa: E402
+
+DEFAULT_TOKENS = (1, 8, 64, 512, 2048, 8192, 16384)
+SMOKE_MODEL = dict(E=4, top_k=2, H=128, I=64)
+STAGES = ("routing", "up", "silu_mul", "down", "combine")
+
+
+def _routings(tokens: int, e: int, top_k: int, n: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` random top-k routings (ids int32 ``[T, k]``, renormalised fp32 weights)."""
+    out = []
+    for seed in range(n):
+        g = torch.Generator(device=device).manual_seed(1000 + seed)
+        w, ids = torch.topk(torch.rand(tokens, e, generator=g, device=device), top_k, dim=-1)
+        out.append((ids.to(torch.int32), (w / w.sum(-1, keepdim=True)).float()))
+    return out
+
+
+def _vllm_bf16():
+    """vLLM's bf16 ``fused_experts`` (the Triton ``fused_moe_kernel`` path), or the reason it is missing."""
+    try:
+        from vllm.model_executor.layers.fused_moe import fused_experts
+    except Exception as exc:  # noqa: BLE001 - a missing peer is reported, not fatal
+        return None, f"vLLM not importable ({type(exc).__name__}: {str(exc)[:80]})"
+    return fused_experts, None
+
+
+def _eager_us(fn, calls: int, cuda: bool) -> float:
+    """Wall µs per call of ``calls`` back-to-back calls (one sync at the end), median of three loops."""
+    fn(0)
+    if cuda:
+        torch.cuda.synchronize()
+    runs = []
+    for _ in range(3):
+        t = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        if cuda:
+            torch.cuda.synchronize()
+        runs.append((time.perf_counter() - t) / calls * 1e6)
+    return statistics.median(runs)
+
+
+def measure(model: dict, tokens_list, device, with_vllm: bool = True) -> tuple[list[dict], str | None]:
+    e, top_k, h, inter = model["E"], model["top_k"], model["H"], model["I"]
+    cuda = device == "cuda"
+    p13 = BG.random_packed((e,), 2 * inter, h, device=device, seed=1)
+    p2 = BG.random_packed((e,), h, inter, device=device, seed=2)
+    peer, reason = _vllm_bf16() if (with_vllm and cuda) else (None, "no GPU (smoke run)" if not cuda else "off")
+    w13_16 = BG.bf16_weights(p13) if peer else None
+    w2_16 = BG.bf16_weights(p2) if peer else None
+    rows = []
+    for t in tokens_list:
+        g = torch.Generator(device=device).manual_seed(t)
+        x = (torch.randn(t, h, generator=g, device=device) * 0.5).to(torch.bfloat16)
+        routs = _routings(t, e, top_k, BG.rotations(t), device)
+        row = dict(tokens=t, routed_rows=t * top_k)
+        row["ours_us"] = time_calls([lambda r=r: w4_fused_moe(x, p13, p2, r[1], r[0]) for r in routs]) * 1e6
+        # the stages on their own, on the inputs the layer gives them
+        plan = []
+        for ids, w in routs:
+            rt = moe_routing(ids, e)
+            hmid = w4_grouped(x, p13, rt["expert_offsets"], gather_idx=rt["gather_idx"])
+            act = silu_and_mul(hmid)
+            y = torch.empty((t * top_k, h), dtype=x.dtype, device=device)
+            w4_grouped(act, p2, rt["expert_offsets"], scatter_idx=rt["scatter_idx"], out=y)
+            plan.append((ids, w, rt, hmid, act, y))
+        stage_calls = {
+            "routing": [lambda s=s: moe_routing(s[0], e) for s in plan],
+            "up": [lambda s=s: w4_grouped(x, p13, s[2]["expert_offsets"], gather_idx=s[2]["gather_idx"]) for s in plan],
+            "silu_mul": [lambda s=s: silu_and_mul(s[3], out=s[4]) for s in plan],
+            "down": [lambda s=s: w4_grouped(s[4], p2, s[2]["expert_offsets"], scatter_idx=s[2]["scatter_idx"],
+                                            out=s[5]) for s in plan],
+            "combine": [lambda s=s: moe_combine(s[5], s[1], s[0], e) for s in plan],
+        }
+        for name, calls in stage_calls.items():
+            row[f"{name}_us"] = time_calls(calls) * 1e6
+        row["ours_eager_us"] = _eager_us(lambda i: w4_fused_moe(x, p13, p2, routs[i % len(routs)][1],
+                                                                routs[i % len(routs)][0]), 20 if cuda else 1, cuda)
+        if peer is not None:
+            def bf16(i):
+                ids, w = routs[i % len(routs)]
+                return peer(x, w13_16, w2_16, w, ids)
+            try:
+                row["vllm_bf16_us"] = time_calls([lambda i=i: bf16(i) for i in range(len(routs))]) * 1e6
+                row["vllm_bf16_eager_us"] = _eager_us(bf16, 20, cuda)
+                row["speedup"] = row["vllm_bf16_us"] / row["ours_us"]
+            except Exception as exc:  # noqa: BLE001 - the peer failing at one size is reported in the table
+                reason = f"vLLM fused_experts failed: {type(exc).__name__}: {str(exc)[:80]}"
+        rows.append(row)
+        print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        del plan, stage_calls
+    return rows, reason
+
+
+def table(rows: list[dict], model_name: str, model: dict, reason: str | None) -> str:
+    def f(v):
+        return "-" if v is None else f"{v:.1f}"
+
+    md = [f"Fused MoE layer, {model_name} (E={model['E']}, top-{model['top_k']}, H={model['H']}, I={model['I']}), "
+          "w4a16, µs per call:", "",
+          "| tokens | ours | vLLM bf16 | bf16 / ours | " + " | ".join(STAGES) + " | ours eager | vLLM bf16 eager |",
+          "|---:|---:|---:|---:|" + "---:|" * len(STAGES) + "---:|---:|"]
+    for r in rows:
+        sp = r.get("speedup")
+        md.append(f"| {r['tokens']} | {f(r['ours_us'])} | {f(r.get('vllm_bf16_us'))} | "
+                  f"{'-' if sp is None else f'{sp:.2f}x'} | "
+                  + " | ".join(f(r.get(f"{s}_us")) for s in STAGES)
+                  + f" | {f(r.get('ours_eager_us'))} | {f(r.get('vllm_bf16_eager_us'))} |")
+    if reason:
+        md += ["", f"vLLM bf16: {reason}"]
+    return "\n".join(md) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="markdown file for the table")
+    ap.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(BG.MOE_MODELS))
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
+    ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's bf16 fused_experts")
+    ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU interpreter: checks the script")
+    a = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and not a.smoke
+    if not cuda and not a.smoke:
+        print("bench_moe: needs a CUDA GPU (or --smoke)")
+        return 2
+    device = "cuda" if cuda else "cpu"
+    BG.DEVICE = device
+    model_name, model = ("smoke", SMOKE_MODEL) if a.smoke else (a.model, BG.MOE_MODELS[a.model])
+    tokens = [t for t in a.tokens if t >= 1] if not a.smoke else [t for t in a.tokens if t <= 64] or [1, 8]
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    rows, reason = measure(model, tokens, device, with_vllm=not a.no_vllm)
+    gpu = torch.cuda.get_device_name() if cuda else "CPU (smoke run)"
+    head = (f"# One fused-MoE layer forward ({gpu}, {time.strftime('%Y-%m-%d')})\n\n"
+            f"    python3 -m benchmarks.bench_moe {' '.join(argv if argv is not None else sys.argv[1:])}\n\n")
+    text = head + table(rows, model_name, model, reason)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
