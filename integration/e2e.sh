@@ -110,7 +110,10 @@ for s in "$@"; do
              '{"pass_config": {"fuse_allreduce_rms": false}}')
         EP2=("${TP2[@]}" --enable-expert-parallel)
       else
-        TP2=(--tp-size 2 --disable-custom-all-reduce); EP2=("${TP2[@]}" --ep-size 2)
+        # (and the FlashInfer all-reduce fusion SGLang turns on for Qwen3-MoE / Llama at TP > 1: its JIT build
+        # held a TP=2 server's start for 4.5 minutes)
+        TP2=(--tp-size 2 --disable-custom-all-reduce --enforce-disable-flashinfer-allreduce-fusion)
+        EP2=("${TP2[@]}" --ep-size 2)
       fi
       case "$s" in
         ep|ep2) tp_models=${TP_MODELS:-qwen3_moe qwen3_moe_small} ;;

@@ -12,7 +12,8 @@
 The load: --clients concurrent clients (default 64) send at least --requests requests (default 2000)
 and keep going until --min-duration seconds have passed. The mix is drawn from --seed, so the same
 seed against the same server sends the same requests: completions and chat, streaming and not,
-prompts from a few tokens up to the context limit (token-id prompts fill it exactly; with --model their
+prompts from a few tokens up to the context limit (token-id prompts fill it exactly, less the tokens the
+engine keeps free, CONTEXT_RESERVE or --context-reserve; with --model their
 ids are plain-text entries of its tokenizer.json, see PROMPT_TOKEN_CHARS), 1-token, short,
 medium and long outputs (long ones with ignore_eos), stop strings, clients that close the connection
 after a few stream chunks, and invalid requests that must get a clean 4xx JSON error.
@@ -123,6 +124,14 @@ WORDS = (
 # Configuration and the server under test
 # ----------------------------------------------------------------------------------------------
 
+#: Tokens below the context length an engine keeps out of a request's prompt + max_tokens. SGLang 0.5.17
+#: (tp_worker.get_worker_info, scheduler): max_req_len = context - 1 and a prompt must be shorter than
+#: max_req_len - 5 (400 "Input length ... exceeds the maximum allowed length (context - 6 tokens)"), and it
+#: clips max_new_tokens to max_req_len - prompt - 1 (finish_reason "length" two tokens early). vLLM 0.26 serves
+#: prompt + max_tokens == max_model_len as asked. Keyed by the owned_by of /v1/models.
+CONTEXT_RESERVE = {"sglang": 6}
+
+
 @dataclass
 class SoakConfig:
     clients: int = 64
@@ -136,6 +145,7 @@ class SoakConfig:
     chat: str = "auto"                  # auto (probe the endpoint) | on | off
     model_name: str | None = None       # default: the first id of /v1/models
     max_model_len: int | None = None    # used when /v1/models does not report max_model_len
+    context_reserve: int | None = None  # tokens kept free below the context (default: CONTEXT_RESERVE[engine])
     sample_interval: float = 2.0
     max_slope: float = 5.0              # MiB/min, GPU memory and host RSS alike
     gpu: str = "auto"                   # auto (when nvidia-smi exists) | off
@@ -154,6 +164,7 @@ class Target:
     engine: str                          # owned_by of /v1/models: vllm, sglang, or whatever it says
     chat: bool
     chat_note: str = ""
+    reserve: int = 0                     # tokens the engine keeps out of prompt + max_tokens (CONTEXT_RESERVE)
     # endpoint -> (prompt tokens per word, template/BOS overhead), both upper estimates
     words: dict = field(default_factory=dict)
 
@@ -266,7 +277,7 @@ class Planner:
         if not ignore_eos and out_class != "one" and rng.random() < STOP_SHARE:
             stop = tuple(rng.sample(STOP_STRINGS, rng.randint(1, 2)))
         prompt_class = _weighted(rng, PROMPT_CLASSES)
-        budget = t.max_len - max_tokens  # both engines accept prompt + max_tokens == context
+        budget = t.max_len - t.reserve - max_tokens  # the longest prompt the engine serves in full
         lo, hi = {"tiny": (1, 16), "short": (17, 256), "long": (257, budget),
                   "at-limit": (budget, budget)}[prompt_class]
         hi = min(hi, budget)
@@ -858,8 +869,11 @@ def preflight(base: str, cfg: SoakConfig) -> tuple[Target | None, dict]:
             chat, note = False, f"off: the probe got {st} {str(ans)[:200]}"
         else:
             note = f"on (probe: {st})"
-    t = Target(u.hostname or "127.0.0.1", u.port or 80, model, max_len, str(card.get("owned_by", "?")), chat, note)
+    engine = str(card.get("owned_by", "?"))
+    reserve = cfg.context_reserve if cfg.context_reserve is not None else CONTEXT_RESERVE.get(engine, 0)
+    t = Target(u.hostname or "127.0.0.1", u.port or 80, model, max_len, engine, chat, note, reserve=reserve)
     info["chat"] = note
+    info["context_reserve"] = reserve
     info["calibration"] = {}
     for ep in ("completions", "chat") if chat else ("completions",):
         t.words[ep], info["calibration"][ep] = _calibrate(base, model, ep)
@@ -1039,7 +1053,9 @@ def markdown(result: dict) -> str:
         head += f"`{result['command']}` ({result.get('date', '')})\n\n"
     s = result["server"]
     head += (f"Server {s.get('engine', '?')} at {s.get('url')}, model `{s.get('model')}`, max_model_len "
-             f"{s.get('max_model_len')} (from {s.get('max_model_len_from', '?')}); chat {s.get('chat', '?')}.\n")
+             f"{s.get('max_model_len')} (from {s.get('max_model_len_from', '?')})"
+             + (f", valid requests within {s['context_reserve']} tokens of it kept free (the engine's limit)"
+                if s.get("context_reserve") else "") + f"; chat {s.get('chat', '?')}.\n")
     if "setup_error" in result:
         return head + f"Could not run: {result['setup_error']}\n"
     ld, v, d, inv, lat = result["load"], result["valid"], result["disconnect"], result["invalid"], result["latency"]
@@ -1159,6 +1175,9 @@ def main(argv: list | None = None) -> int:
     ap.add_argument("--model-name", help="model name in requests (default: the first id of /v1/models)")
     ap.add_argument("--max-model-len", type=int,
                     help="context length when /v1/models does not report it; with --launch also passed to the engine")
+    ap.add_argument("--context-reserve", type=int, default=None,
+                    help="tokens below the context length that valid requests leave free (default: the engine's, "
+                         "CONTEXT_RESERVE: SGLang 6, others 0)")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests", type=int, default=2000, help="at least this many requests")
     ap.add_argument("--min-duration", type=float, default=180,
@@ -1184,7 +1203,8 @@ def main(argv: list | None = None) -> int:
                      max_token_id=args.max_token_id,
                      token_ids=prompt_token_ids(args.model, args.max_token_id) if args.model else None,
                      chat=args.chat, model_name=args.model_name,
-                     max_model_len=args.max_model_len, sample_interval=args.sample_interval,
+                     max_model_len=args.max_model_len, context_reserve=args.context_reserve,
+                     sample_interval=args.sample_interval,
                      max_slope=args.max_slope, gpu=args.gpu, invalid_share=args.invalid_share,
                      disconnect_share=args.disconnect_share)
     out = Path(args.out)

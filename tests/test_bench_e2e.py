@@ -123,6 +123,15 @@ def test_run_sweep_reports_the_median_after_a_warmup():
     assert res["prefill"]["first_tok_s"] == pytest.approx(16 / 9.0, abs=0.1) and res["prefill"]["tok_s"] == 16.0
 
 
+def test_checks_give_no_verdict_without_a_comparison():
+    # a run of ours alone (no built-in, no bf16) has nothing to pass against: no "bf16 0 (0.00x): PASS"
+    lines = E.checks([_result("ours", {1: 300, 8: 2000})], "vllm", "dense")
+    assert lines[:2] == ["decode batch 1: ours 300; no built-in or bf16 result in this run",
+                         "decode batch 8: ours 2000; no built-in or bf16 result in this run"]
+    lines = E.checks([_result("ours", {1: 300}), _result("bf16", {1: 320})], "vllm", "dense")
+    assert lines[0] == "decode batch 1: ours 300 vs no built-in result, bf16 320 (0.94x): MISS"
+
+
 def test_prefill_shapes_parse_and_refuse_bad_ones():
     assert E.parse_shape("16x1024") == (16, 1024) and E.parse_shape("8X64") == (8, 64)
     for bad in ("16", "x1024", "0x8", "ax3"):
@@ -180,7 +189,8 @@ def test_parallel_arguments_and_a_report_per_parallelism(tmp_path):
     assert kw["disable_custom_all_reduce"] is True
     assert kw["compilation_config"] == {"pass_config": {"fuse_allreduce_rms": False}}
     assert "enable_expert_parallel" not in E.parallel_kwargs("vllm", 2, False)
-    assert E.parallel_kwargs("sglang", 2, True) == {"tp_size": 2, "ep_size": 2, "disable_custom_all_reduce": True}
+    assert E.parallel_kwargs("sglang", 2, True) == {"tp_size": 2, "ep_size": 2, "disable_custom_all_reduce": True,
+                                                    "enforce_disable_flashinfer_allreduce_fusion": True}
     with pytest.raises(ValueError, match="--tp must be >= 1 and >= 2 with --ep, got tp=1, ep=True"):
         E.parallel_kwargs("vllm", 1, True)
     assert [E.parallel_tag(1, False), E.parallel_tag(2, False), E.parallel_tag(2, True)] == ["tp1", "tp2", "tp2-ep"]
@@ -194,7 +204,7 @@ def test_parallel_arguments_and_a_report_per_parallelism(tmp_path):
     text = E.report(tmp_path)
     one, ep = text.split("## vllm, moe (Qwen3-30B-A3B shape, 12 layers), tp2-ep")
     assert "decode batch 8: ours 4000 vs best built-in 3000 (1.33x)" in one and "ours 1500" not in one
-    assert "decode batch 8: ours 1500 vs best built-in 2000 (0.75x), bf16 0 (0.00x): MISS" in ep
+    assert "decode batch 8: ours 1500 vs best built-in 2000 (0.75x), no bf16 result: MISS" in ep
     # the serve phase picks its built-in from one-GPU results only
     assert E.best_builtin(rs[2:], "vllm", "moe") is None
 

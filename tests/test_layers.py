@@ -90,11 +90,13 @@ def test_hopper_backend_rebuilds_its_packed_weights_only_for_another_tensor_dict
     from nvfp4_plugin.layers.backends.hopper import HopperLinear
     from nvfp4_plugin.layers.base import LinearSpec
 
+    # (the kernels run on the GPU where there is one: outside the interpreter they cannot read CPU tensors)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(5)
     backend = HopperLinear()
-    t, meta = backend.prepare(LinearSpec(32, 64, torch.bfloat16, "w4a16", torch.device("cpu")),
-                              Nvfp4Weight.quantize(torch.randn(32, 64, generator=g)), None)
-    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    t, meta = backend.prepare(LinearSpec(32, 64, torch.bfloat16, "w4a16", dev),
+                              Nvfp4Weight.quantize(torch.randn(32, 64, generator=g).to(dev)), None)
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16).to(dev)
     y = backend.apply(t, meta, x)
     (w,) = backend._weights(t, ("w_", meta[0]))
     assert backend._weights(t, ("w_", meta[0]))[0] is w and w.words is t["w_words"]

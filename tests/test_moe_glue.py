@@ -36,11 +36,13 @@ def test_routing_kernel_equals_stable_sort(t, top_k, e, dtype, invalid):
 @pytest.mark.parametrize("t,top_k,e,invalid", [
     (G.ROUTE_KERNEL_MAX_ROWS // 4 + 1, 4, 32, False),          # just past the one-program kernel
     (1300, 8, 128, True),                                      # 10400 pairs: a partial last block
-    (G.ROUTE_BLOCK, 6, 7, True)])                              # whole blocks, E + 1 not a power of two
+    (G.ROUTE_BLOCK_SMALL * 4, 6, 7, True),                     # whole blocks, E + 1 not a power of two
+    (G.ROUTE_BLOCK_SPLIT // 8 + 3, 8, 128, True)])             # large blocks (route_class 2)
 def test_routing_blocks_equal_stable_sort(t, top_k, e, invalid):
     """Beyond ROUTE_KERNEL_MAX_ROWS pairs the per-block counting sort (histograms, scan, placement): the
     same bytes as the stable sort, ids outside [0, E) last."""
     assert t * top_k > G.ROUTE_KERNEL_MAX_ROWS
+    assert G.route_class(t * top_k) == (2 if t * top_k > G.ROUTE_BLOCK_SPLIT else 1)
     ids = _ids(t, top_k, e, seed=t, invalid=invalid).to(DEV)
     if invalid:
         ids[t // 2, 1], ids[t // 3, 0] = -5, e + 3

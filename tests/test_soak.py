@@ -40,9 +40,12 @@ class FakeOpenAI(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, port: int = 0, fail_valid_every: int = 0, drop_done: bool = False,
-                 malformed_500: bool = False, token_delay: float = 0.0005):
+                 malformed_500: bool = False, token_delay: float = 0.0005, sglang_limits: bool = False):
         super().__init__(("127.0.0.1", port), _Handler)
         self.fail_valid_every, self.drop_done, self.malformed_500 = fail_valid_every, drop_done, malformed_500
+        # SGLang 0.5.17's length rules (soak.CONTEXT_RESERVE): prompts of context - 6 tokens or more are refused,
+        # max_tokens is clipped to context - 2 - prompt; and /v1/models says owned_by "sglang"
+        self.sglang_limits = sglang_limits
         self.token_delay = token_delay
         self.n_valid = 0
         self.lock = threading.Lock()
@@ -114,7 +117,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/health":
             self._json(200, {})
         elif self.path == "/v1/models":
-            self._json(200, {"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": "fake",
+            owner = "sglang" if self.server.sglang_limits else "fake"
+            self._json(200, {"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": owner,
                                                          "max_model_len": MAX_LEN}]})
         else:
             self._error(404, "not found")
@@ -168,6 +172,11 @@ class _Handler(BaseHTTPRequestHandler):
             raise _BadRequest(400, f"max_tokens must be at least 1, got {max_tokens}.")
         if prompt_tokens >= MAX_LEN or prompt_tokens + max_tokens > MAX_LEN:
             raise _BadRequest(400, f"This model's maximum context length is {MAX_LEN} tokens.")
+        if self.server.sglang_limits:
+            if prompt_tokens >= MAX_LEN - 6:
+                raise _BadRequest(400, f"Input length ({prompt_tokens} tokens) exceeds the maximum allowed length "
+                                       f"({MAX_LEN - 6} tokens).")
+            max_tokens = min(max_tokens, MAX_LEN - 2 - prompt_tokens)
         with self.server.lock:
             self.server.n_valid += 1
             n = self.server.n_valid
@@ -260,9 +269,31 @@ def test_the_plan_is_seeded_and_fills_the_context():
     too_long = [s for s in a if s.kind == "prompt_too_long" and s.endpoint == "completions"]
     assert all(len(s.body["prompt"]) > 512 for s in too_long)
     assert {s.max_tokens for s in a if s.kind.startswith("completions/") and "out-one" in s.kind} == {1}
+    # an engine that keeps tokens below its context (SGLang: CONTEXT_RESERVE) gets prompts that fit its limit
+    assert soak.CONTEXT_RESERVE == {"sglang": 6}
+    sg = soak.Target("127.0.0.1", 1, "m", 512, "sglang", True, words=t.words, reserve=6)
+    p = soak.Planner(_cfg(soak, seed=3, invalid_share=0.1, long_tokens=1024), sg)
+    sg_limit = [s for s in (p.spec(i) for i in range(400)) if s.category == "valid" and s.kind.endswith("at-limit-ids")]
+    assert sg_limit and all(len(s.body["prompt"]) + s.max_tokens == 506 for s in sg_limit)
     # long outputs: --long-tokens 1024 capped at half the context
     assert any(s.body.get("ignore_eos") and s.max_tokens == 256 for s in a if s.category == "valid")
     assert any(s.stream for s in a) and any(not s.stream for s in a) and any(s.stop for s in a)
+
+
+def test_an_engine_that_keeps_tokens_below_its_context_gets_prompts_it_serves(tmp_path):
+    # SGLang refuses or shortens requests that fill the context exactly: the soak leaves CONTEXT_RESERVE free
+    # (the engine's owned_by picks it); told to leave nothing, the same server fails those requests
+    soak = _load_soak()
+    args = ["--clients", "8", "--requests", "80", "--min-duration", "0", "--seed", "2", "--invalid-share", "0.1",
+            "--gpu", "off", "--long-tokens", "64", "--sample-interval", "0.05"]
+    with FakeOpenAI(sglang_limits=True) as srv:
+        assert soak.main(["--url", srv.url, "--out", str(tmp_path / "auto"), *args]) == 0
+        assert soak.main(["--url", srv.url, "--out", str(tmp_path / "none"), "--context-reserve", "0", *args]) == 1
+    auto = json.loads((tmp_path / "auto" / "soak.json").read_text())
+    assert auto["server"]["context_reserve"] == 6 and auto["valid"]["failed"] == 0
+    assert "6 tokens of it kept free" in (tmp_path / "auto" / "soak.md").read_text()
+    none = json.loads((tmp_path / "none" / "soak.json").read_text())
+    assert none["valid"]["failed"] > 0
 
 
 def test_500_on_valid_requests_fails():

@@ -41,14 +41,14 @@ def test_moe_warmup_sizes_reach_every_variant():
     s13, s2 = config_fn("grouped", 128, 256, e), config_fn("grouped", 256, 64, e)
     # what each count launches, as w4_grouped decides it (and `info`'s plan reports it): the config after the
     # Gluon fallback, and whether decode's compact expert slots are on
-    variant = lambda t: (t * top_k > moe_glue.ROUTE_KERNEL_MAX_ROWS,  # noqa: E731
+    variant = lambda t: (moe_glue.route_class(t * top_k),  # noqa: E731
                          api._grouped_variant(t * top_k, e, s13(t * top_k)),
                          api._grouped_variant(t * top_k, e, s2(t * top_k)))
     assert {variant(t) for t in sizes} == {variant(t) for t in range(1, 20001)}
     assert len(sizes) == len({variant(t) for t in sizes})             # no count launches nothing new
     assert sizes[0] == 1 and sizes[1] == 4                          # 4 tokens x top-4 = 16 rows: no longer compact
     # the routing's per-block kernels are compiled at start-up too (first count past the one-program kernel)
-    assert moe_glue.ROUTE_KERNEL_MAX_ROWS // top_k + 1 in sizes
+    assert moe_glue.ROUTE_KERNEL_MAX_ROWS // top_k + 1 in sizes and moe_glue.ROUTE_BLOCK_SPLIT // top_k + 1 in sizes
 
 
 class _Recorder:

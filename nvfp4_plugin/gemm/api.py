@@ -334,7 +334,7 @@ def warmup_sizes_fused_moe(w13: PackedW4Weight, w2: PackedW4Weight, top_k: int, 
 
     def variant(t: int) -> tuple:
         rows = t * top_k
-        return (rows > moe_glue.ROUTE_KERNEL_MAX_ROWS,      # routing: one program, or per-block kernels
+        return (moe_glue.route_class(rows),                 # routing: one program, or per-block kernels
                 _grouped_variant(rows, num_e, sel13(rows)), _grouped_variant(rows, num_e, sel2(rows)))
 
     return first_sizes(variant, max_tokens)

@@ -25,12 +25,24 @@ from .._checks import check_shape, check_tensor
 from ..triton import _runtime as rt
 from ..triton._jit_numerics import bits_f32, load_f32, store_f32
 
-#: Routed pairs up to which one program sorts them (decode and small prefill steps: one launch); beyond,
-#: blocks of ROUTE_BLOCK pairs each place their own pairs (three launches: histograms, scan, placement).
-ROUTE_KERNEL_MAX_ROWS = 4096
+#: Routed pairs up to which one program sorts them (decode steps up to 32 tokens at top-8: one launch); beyond,
+#: blocks of pairs each place their own (three launches: histograms, scan, placement). A program places its
+#: pairs one chunk of ROUTE_CHUNK after the other (~2 µs per chunk on the H200: a read-modify-write of its
+#: expert cursors between barriers), so blocks are small (ROUTE_BLOCK_SMALL pairs) up to ROUTE_BLOCK_SPLIT
+#: pairs; above, the one-program scan over the blocks' histograms would cost more than the placement saves,
+#: and blocks hold ROUTE_BLOCK pairs (measured with benchmarks/bench_moe.py; results in moe_h200.md).
+ROUTE_KERNEL_MAX_ROWS = 256
+ROUTE_BLOCK_SMALL = 256
+ROUTE_BLOCK_SPLIT = 32768
 ROUTE_BLOCK = 1024
 #: pairs ranked together: a chunk costs a ROUTE_CHUNK^2 comparison
 ROUTE_CHUNK = 64
+
+
+def route_class(rows: int) -> int:
+    """Which routing kernels ``rows`` routed pairs launch (0: one program; 1: small blocks; 2: large blocks):
+    each class is compiled apart (the warm-up runs one count of each)."""
+    return 0 if rows <= ROUTE_KERNEL_MAX_ROWS else (1 if rows <= ROUTE_BLOCK_SPLIT else 2)
 
 
 @triton.jit
@@ -143,7 +155,7 @@ def moe_routing(topk_ids: torch.Tensor, num_experts: int) -> dict[str, torch.Ten
     ``scatter_idx`` int32 (pair id ``token * top_k + slot`` of each sorted pair). Pairs whose id is
     outside ``[0, E)`` come last, past ``expert_offsets[E]`` (the grouped GEMMs ignore those rows).
     Up to :data:`ROUTE_KERNEL_MAX_ROWS` pairs one kernel does it all; beyond, three (per-block
-    histograms, a scan, per-block placement).
+    histograms, a scan, per-block placement; :func:`route_class`).
     """
     check_tensor("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64), ndim=2)
     if num_experts < 1:
@@ -165,13 +177,13 @@ def moe_routing(topk_ids: torch.Tensor, num_experts: int) -> dict[str, torch.Ten
         _route_kernel[(1,)](flat, offsets, gather, scatter, cursor, rows, top_k, num_experts,
                             E_BINS=bins, CH=ROUTE_CHUNK, num_warps=4)
     else:
-        nb = triton.cdiv(rows, ROUTE_BLOCK)
+        blk = ROUTE_BLOCK_SMALL if route_class(rows) == 1 else ROUTE_BLOCK
+        nb = triton.cdiv(rows, blk)
         cursor = torch.empty((nb, bins), dtype=torch.int32, device=dev)
-        _route_hist_kernel[(nb,)](flat, cursor, rows, num_experts, E_BINS=bins, BLK=ROUTE_BLOCK, CH=ROUTE_CHUNK,
-                                  num_warps=4)
+        _route_hist_kernel[(nb,)](flat, cursor, rows, num_experts, E_BINS=bins, BLK=blk, CH=ROUTE_CHUNK, num_warps=4)
         _route_scan_kernel[(1,)](cursor, offsets, nb, num_experts, E_BINS=bins, num_warps=4)
         _route_block_place_kernel[(nb,)](flat, gather, scatter, cursor, rows, top_k, num_experts, E_BINS=bins,
-                                         BLK=ROUTE_BLOCK, CH=ROUTE_CHUNK, num_warps=4)
+                                         BLK=blk, CH=ROUTE_CHUNK, num_warps=4)
     return {"expert_offsets": offsets, "gather_idx": gather, "scatter_idx": scatter}
 
 
