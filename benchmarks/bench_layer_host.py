@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import time_calls  # noqa: E402
+from benchmarks.common import time_calls, wall_us_per_call  # noqa: E402
 
 #: (name, N, K): SmolLM2-135M's projections (q/k/v fused, o, gate/up fused, down) and two Llama-3-8B ones
 SHAPES = (("smollm2 qkv", 960, 576), ("smollm2 o", 576, 576), ("smollm2 gate_up", 3072, 576),
@@ -44,18 +43,7 @@ DEFAULT_M = (1, 64, 512, 2048)
 
 def _host_us(fn, reps: int, cuda: bool) -> float:
     """Wall µs per call of ``reps`` back-to-back calls, the median of three such loops."""
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    runs = []
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        if cuda:
-            torch.cuda.synchronize()
-        runs.append((time.perf_counter() - t) / reps * 1e6)
-    return statistics.median(runs)
+    return wall_us_per_call(lambda i: fn(), reps, cuda)
 
 
 @contextlib.contextmanager

@@ -25,7 +25,6 @@ interpreter (the table's form, not numbers to quote).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_gemm as BG  # noqa: E402
-from benchmarks.common import time_calls  # noqa: E402
+from benchmarks.common import time_calls, wall_us_per_call  # noqa: E402
 from nvfp4_plugin.gemm import moe_routing, w4_fused_moe, w4_grouped  # noqa: E402
 from nvfp4_plugin.gemm.moe_glue import moe_combine, silu_and_mul  # noqa: E402
 
@@ -60,22 +59,6 @@ def _vllm_bf16():
     except Exception as exc:  # noqa: BLE001 - a missing peer is reported, not fatal
         return None, f"vLLM not importable ({type(exc).__name__}: {str(exc)[:80]})"
     return fused_experts, None
-
-
-def _eager_us(fn, calls: int, cuda: bool) -> float:
-    """Wall µs per call of ``calls`` back-to-back calls (one sync at the end), median of three loops."""
-    fn(0)
-    if cuda:
-        torch.cuda.synchronize()
-    runs = []
-    for _ in range(3):
-        t = time.perf_counter()
-        for i in range(calls):
-            fn(i)
-        if cuda:
-            torch.cuda.synchronize()
-        runs.append((time.perf_counter() - t) / calls * 1e6)
-    return statistics.median(runs)
 
 
 def measure(model: dict, tokens_list, device, with_vllm: bool = True) -> tuple[list[dict], str | None]:
@@ -112,7 +95,7 @@ def measure(model: dict, tokens_list, device, with_vllm: bool = True) -> tuple[l
         }
         for name, calls in stage_calls.items():
             row[f"{name}_us"] = time_calls(calls) * 1e6
-        row["ours_eager_us"] = _eager_us(lambda i: w4_fused_moe(x, p13, p2, routs[i % len(routs)][1],
+        row["ours_eager_us"] = wall_us_per_call(lambda i: w4_fused_moe(x, p13, p2, routs[i % len(routs)][1],
                                                                 routs[i % len(routs)][0]), 20 if cuda else 1, cuda)
         if peer is not None:
             def bf16(i):
@@ -120,7 +103,7 @@ def measure(model: dict, tokens_list, device, with_vllm: bool = True) -> tuple[l
                 return peer(x, w13_16, w2_16, w, ids)
             try:
                 row["vllm_bf16_us"] = time_calls([lambda i=i: bf16(i) for i in range(len(routs))]) * 1e6
-                row["vllm_bf16_eager_us"] = _eager_us(bf16, 20, cuda)
+                row["vllm_bf16_eager_us"] = wall_us_per_call(bf16, 20, cuda)
                 row["speedup"] = row["vllm_bf16_us"] / row["ours_us"]
             except Exception as exc:  # noqa: BLE001 - the peer failing at one size is reported in the table
                 reason = f"vLLM fused_experts failed: {type(exc).__name__}: {str(exc)[:80]}"

@@ -104,6 +104,24 @@ def time_calls(calls: list, *, fill_ms: float = 0.0, min_ms: float = 30.0, max_c
     return start.elapsed_time(end) / 1e3 / (reps * n)
 
 
+def wall_us_per_call(fn, calls: int, cuda: bool) -> float:
+    """Wall µs per call of ``calls`` back-to-back eager calls ``fn(0) .. fn(calls - 1)`` with one sync at the end,
+    the median of three such loops (after one warm-up call): the device time when the GPU is the bottleneck,
+    more when the host path is."""
+    fn(0)
+    if cuda:
+        torch.cuda.synchronize()
+    runs = []
+    for _ in range(3):
+        t = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        if cuda:
+            torch.cuda.synchronize()
+        runs.append((time.perf_counter() - t) / calls * 1e6)
+    return statistics.median(runs)
+
+
 def time_graph(fn, args_list, min_ms: float = 30.0) -> float:
     """Seconds per call of ``fn(*args)``, a CUDA graph of one call per argument tuple (:func:`time_calls`)."""
     return time_calls([functools.partial(fn, *a) for a in args_list], min_ms=min_ms)
