@@ -418,6 +418,15 @@ def run_sweep(result: dict, timed, a) -> None:
         print(f"[{a.engine} {a.model} {a.config}] prefill shapes: {result['prefill_shapes']}", flush=True)
 
 
+def _shape_arg(shape: str) -> str:
+    """argparse type of --prefill-shapes: checked when the command line is read, kept as given."""
+    try:
+        parse_shape(shape)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return shape
+
+
 def parse_shape(shape: str) -> tuple[int, int]:
     """``"16x1024"`` -> (16 prompts, 1024 tokens each)."""
     try:
@@ -544,6 +553,10 @@ def run(a) -> int:
     parallel_kwargs(a.engines[0], a.tp, a.ep)             # bad --tp / --ep: refused before any model is built
     if a.serve and a.tp > 1:
         raise SystemExit("bench_e2e: --serve runs on one GPU; drop --serve or --tp")
+    for shape in a.prefill_shapes:   # each prompt plus its one generated token must fit the context
+        if parse_shape(shape)[1] >= a.max_model_len:
+            raise SystemExit(f"bench_e2e: --prefill-shapes {shape}: prompts must be shorter than --max-model-len "
+                             f"{a.max_model_len}")
     out.mkdir(parents=True, exist_ok=True)
     paths = build_models(Path(a.model_dir), a.models)
     env = plugin_env()
@@ -814,7 +827,7 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--prompt-len", type=int, default=128)
         p.add_argument("--gen-len", type=int, default=256)
         p.add_argument("--prefill", type=int, nargs=2, default=[64, 896], metavar=("PROMPTS", "LEN"))
-        p.add_argument("--prefill-shapes", nargs="*", default=list(PREFILL_SHAPES), metavar="PROMPTSxLEN",
+        p.add_argument("--prefill-shapes", nargs="*", default=list(PREFILL_SHAPES), metavar="PROMPTSxLEN", type=_shape_arg,
                        help="further prefill runs, ms per run each (per-step against per-run costs)")
         p.add_argument("--mem-fraction", type=float, default=0.85)
         p.add_argument("--max-model-len", type=int, default=2048)

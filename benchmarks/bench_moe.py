@@ -18,8 +18,8 @@ top-k routing for both:
   time when the host path is the bottleneck.
 
 The peer is vLLM's Triton ``fused_experts`` on the same weights dequantized to bf16 (what ``--dtype bf16``
-serves); without vLLM its columns say why. Without a GPU, ``--smoke`` runs a tiny shape through the
-interpreter (the table's form, not numbers to quote).
+serves); without vLLM its columns say why. ``--smoke`` runs a tiny shape without the peer, on the GPU or,
+without one, through the interpreter (the table's form, not numbers to quote).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def measure(model: dict, tokens_list, device, with_vllm: bool = True) -> tuple[l
     cuda = device == "cuda"
     p13 = BG.random_packed((e,), 2 * inter, h, device=device, seed=1)
     p2 = BG.random_packed((e,), h, inter, device=device, seed=2)
-    peer, reason = _vllm_bf16() if (with_vllm and cuda) else (None, "no GPU (smoke run)" if not cuda else "off")
+    peer, reason = _vllm_bf16() if (with_vllm and cuda) else (None, "not run (no GPU)" if not cuda else "off")
     w13_16 = BG.bf16_weights(p13) if peer else None
     w2_16 = BG.bf16_weights(p2) if peer else None
     rows = []
@@ -138,9 +138,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(BG.MOE_MODELS))
     ap.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's bf16 fused_experts")
-    ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU interpreter: checks the script")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shape, no peer (the GPU if there is one, else the CPU interpreter): checks the script")
     a = ap.parse_args(argv)
-    cuda = torch.cuda.is_available() and not a.smoke
+    cuda = torch.cuda.is_available()
     if not cuda and not a.smoke:
         print("bench_moe: needs a CUDA GPU (or --smoke)")
         return 2
@@ -150,8 +151,8 @@ def main(argv=None) -> int:
     tokens = [t for t in a.tokens if t >= 1] if not a.smoke else [t for t in a.tokens if t <= 64] or [1, 8]
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False
-    rows, reason = measure(model, tokens, device, with_vllm=not a.no_vllm)
-    gpu = torch.cuda.get_device_name() if cuda else "CPU (smoke run)"
+    rows, reason = measure(model, tokens, device, with_vllm=not (a.no_vllm or a.smoke))
+    gpu = (torch.cuda.get_device_name() if cuda else "CPU") + (" (smoke run)" if a.smoke else "")
     head = (f"# One fused-MoE layer forward ({gpu}, {time.strftime('%Y-%m-%d')})\n\n"
             f"    python3 -m benchmarks.bench_moe {' '.join(argv if argv is not None else sys.argv[1:])}\n\n")
     text = head + table(rows, model_name, model, reason)

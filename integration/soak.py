@@ -871,6 +871,10 @@ def preflight(base: str, cfg: SoakConfig) -> tuple[Target | None, dict]:
             note = f"on (probe: {st})"
     engine = str(card.get("owned_by", "?"))
     reserve = cfg.context_reserve if cfg.context_reserve is not None else CONTEXT_RESERVE.get(engine, 0)
+    if reserve < 0 or max_len - reserve - max_len // 2 < 1:   # (outputs take up to half the context)
+        info["error"] = (f"--context-reserve: expected 0 <= reserve < {max_len - max_len // 2} for max_model_len "
+                         f"{max_len} (prompts need at least one token), got {reserve}")
+        return None, info
     t = Target(u.hostname or "127.0.0.1", u.port or 80, model, max_len, engine, chat, note, reserve=reserve)
     info["chat"] = note
     info["context_reserve"] = reserve

@@ -132,11 +132,18 @@ def test_checks_give_no_verdict_without_a_comparison():
     assert lines[0] == "decode batch 1: ours 300 vs no built-in result, bf16 320 (0.94x): MISS"
 
 
-def test_prefill_shapes_parse_and_refuse_bad_ones():
+def test_prefill_shapes_parse_and_refuse_bad_ones(tmp_path, capsys):
     assert E.parse_shape("16x1024") == (16, 1024) and E.parse_shape("8X64") == (8, 64)
     for bad in ("16", "x1024", "0x8", "ax3"):
         with pytest.raises(ValueError, match="--prefill-shapes"):
             E.parse_shape(bad)
+    # refused when the command line is read, and a prompt that cannot fit the context before any model is built
+    with pytest.raises(SystemExit):
+        E.main(["run", "--out", str(tmp_path), "--prefill-shapes", "16x"])
+    assert "--prefill-shapes: expected PROMPTSxLEN" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="shorter than --max-model-len 2048"):
+        E.main(["run", "--out", str(tmp_path), "--prefill-shapes", "4x2048"])
+    assert not any(tmp_path.iterdir())
 
 
 def test_prebuild_sglang_jit_imports_first_then_builds_each(tmp_path, monkeypatch):

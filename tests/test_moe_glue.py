@@ -36,7 +36,7 @@ def test_routing_kernel_equals_stable_sort(t, top_k, e, dtype, invalid):
 @pytest.mark.parametrize("t,top_k,e,invalid", [
     (G.ROUTE_KERNEL_MAX_ROWS // 4 + 1, 4, 32, False),          # just past the one-program kernel
     (1300, 8, 128, True),                                      # 10400 pairs: a partial last block
-    (G.ROUTE_BLOCK_SMALL * 4, 6, 7, True),                     # whole blocks, E + 1 not a power of two
+    (G.ROUTE_BLOCK_SMALL * 4, 6, 6, True),                     # whole blocks, E + 1 not a power of two
     (G.ROUTE_BLOCK_SPLIT // 8 + 3, 8, 128, True)])             # large blocks (route_class 2)
 def test_routing_blocks_equal_stable_sort(t, top_k, e, invalid):
     """Beyond ROUTE_KERNEL_MAX_ROWS pairs the per-block counting sort (histograms, scan, placement): the
@@ -53,6 +53,34 @@ def test_routing_blocks_equal_stable_sort(t, top_k, e, invalid):
     valid = int(((ids >= 0) & (ids < e)).sum())
     assert int(got["expert_offsets"][-1]) == valid
     assert (valid < ids.numel()) == invalid
+
+
+def test_routing_reads_wide_int64_ids_as_invalid():
+    # an int64 id that wraps to a valid expert when narrowed to int32 is still outside [0, E)
+    ids = _ids(40, 4, 8, seed=3).to(DEV)
+    ids[5, 2], ids[30, 0] = 2**32 + 1, -(2**32) + 3
+    for t in (40, 300):                                       # one program; per-block kernels
+        big = ids.repeat(t // 40 + 1, 1)[:t] if t > 40 else ids
+        got = G.moe_routing(big, 8)
+        want = G._routing_torch(big.reshape(-1), 8, 4)
+        for name in ("expert_offsets", "gather_idx", "scatter_idx"):
+            assert torch.equal(got[name].cpu(), want[name].cpu()), (t, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pairs", [257, 10_000, 40_000])
+def test_gpu_routing_equals_stable_sort_every_class(pairs):
+    # the barrier-ordered cursor updates of the placement kernels on real hardware (the interpreter runs a
+    # program's threads in lockstep): the same bytes as the stable sort, call after call
+    g = torch.Generator().manual_seed(pairs)
+    top_k, e = 8, 128
+    t = -(-pairs // top_k)
+    for rep in range(5):
+        ids = torch.randint(-1, e + 1, (t, top_k), generator=g, dtype=torch.int32).cuda()
+        got = G.moe_routing(ids, e)
+        want = G._routing_torch(ids.reshape(-1).to(torch.int64), e, top_k)
+        for name in ("expert_offsets", "gather_idx", "scatter_idx"):
+            assert torch.equal(got[name], want[name]), (pairs, rep, name)
 
 
 def _special_values(dtype):

@@ -294,6 +294,10 @@ def test_an_engine_that_keeps_tokens_below_its_context_gets_prompts_it_serves(tm
     assert "6 tokens of it kept free" in (tmp_path / "auto" / "soak.md").read_text()
     none = json.loads((tmp_path / "none" / "soak.json").read_text())
     assert none["valid"]["failed"] > 0
+    with FakeOpenAI() as srv:   # a reserve that leaves no room for a prompt, or a negative one: refused up front
+        for bad in ("-1", str(MAX_LEN // 2)):
+            assert soak.main(["--url", srv.url, "--out", str(tmp_path / "bad"), "--context-reserve", bad, *args]) == 2
+    assert "--context-reserve: expected" in json.loads((tmp_path / "bad" / "soak.json").read_text())["setup_error"]
 
 
 def test_500_on_valid_requests_fails():

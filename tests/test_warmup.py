@@ -101,6 +101,7 @@ def _compiled_kernels() -> int:
 
     fns = [triton_w4.w4_gemm_kernel, triton_w4.w4_dequant_kernel, triton_w4.fp4_act_decode_kernel,
            gluon_w4.w4_wgmma_kernel, gluon_w4.w4_splitk_reduce_kernel, moe_glue._route_kernel,
+           moe_glue._route_hist_kernel, moe_glue._route_scan_kernel, moe_glue._route_block_place_kernel,
            moe_glue._silu_mul_kernel, moe_glue._combine_kernel]
     return sum(len(c[0]) for f in fns for c in f.device_caches.values())
 
@@ -129,10 +130,11 @@ def test_gpu_moe_compiles_nothing_after_warmup():
     e, h, inter, top_k = 128, 2048, 768, 8                   # Qwen3-30B-A3B experts (tuned H200 shapes)
     layer = Nvfp4FusedMoE(Nvfp4Weight.quantize(torch.randn(e, 2 * inter, h, device=dev, generator=g)),
                           Nvfp4Weight.quantize(torch.randn(e, h, inter, device=dev, generator=g)))
-    layer.warmup(4096, top_k)
+    layer.warmup(8192, top_k)
     before = _compiled_kernels()
-    x = torch.randn(4096, h, device=dev, dtype=torch.bfloat16)
-    for t in [1, 2, 3, 8, 15, 16, 17, 33, 64, 100, 128, 255, 256, 300, 512, 1000, 2048, 4096]:
+    x = torch.randn(8192, h, device=dev, dtype=torch.bfloat16)
+    # (every routing class too: one program up to 256 pairs, blocks of 256 up to 32768, of 1024 beyond)
+    for t in [1, 2, 3, 8, 15, 16, 17, 32, 33, 64, 100, 128, 255, 256, 300, 512, 1000, 2048, 4096, 4097, 8192]:
         ids = torch.randint(0, e, (t, top_k), device=dev, generator=g, dtype=torch.int32)
         layer(x[:t], torch.full((t, top_k), 1.0 / top_k, device=dev), ids)
     torch.cuda.synchronize()

@@ -49,8 +49,8 @@ def route_class(rows: int) -> int:
 def _route_keys(ids_ptr, c0, R, E, lane):
     """Expert ids of pairs ``c0 + lane`` (bin E for ids outside [0, E)), and which of them exist."""
     ok = c0 + lane < R
-    ids = tl.load(ids_ptr + c0 + lane, mask=ok, other=0).to(tl.int32)
-    return tl.where(ok & (ids >= 0) & (ids < E), ids, E), ok
+    ids = tl.load(ids_ptr + c0 + lane, mask=ok, other=0)      # (range test before narrowing int64 ids)
+    return tl.where(ok & (ids >= 0) & (ids < E), ids, E).to(tl.int32), ok
 
 
 @triton.jit
