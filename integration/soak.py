@@ -1008,9 +1008,11 @@ def summarize(cfg: SoakConfig, info: dict, records: list, start: float, end: flo
     if bad_invalid:
         problems.append(f"invalid requests without a clean 4xx: {bad_invalid}")
     for name, m in memory.items():
-        if m["samples"] == 0 and not name.startswith(PER_PROCESS):
+        if name.startswith(PER_PROCESS):     # shown, not judged
+            continue
+        if m["samples"] == 0:
             problems.append(f"{name}: no samples ({m['source']})")
-        if m["flat"] is False and not name.startswith(PER_PROCESS):
+        if m["flat"] is False:
             problems.append(f"{name} not flat: {m['slope_mib_per_min']} MiB/min over the second half "
                             f"(threshold {cfg.max_slope})")
     if not health_after:
