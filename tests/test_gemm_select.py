@@ -44,10 +44,11 @@ def test_heuristics_are_valid_for_the_target_shapes():
     """What the heuristic promises (gemm/select.py): dense decode sizes on the Triton kernel with a
     token tile covering all rows and K splits that keep >= 3 K steps each; Gluon between GLUON_MIN_M
     and DEQUANT_MM_MIN_M rows with at most two token tiles; cuBLAS from DEQUANT_MM_MIN_M; experts on
-    Gluon from GLUON_MIN_EXPERT_ROWS rows per active expert, never split along K. Nothing the
+    Gluon from GLUON_MIN_EXPERT_ROWS rows per active expert, never split along K, 256-token tiles from
+    GLUON_BM256_EXPERT_ROWS rows per expert (grouped; masked stays at 128). Nothing the
     selection's clamp would change, and every config survives its JSON round trip."""
     kinds_seen = set()
-    for m in (1, 4, 5, 16, 33, 64, 65, 128, 256, 511, 512, 1024, 4096):
+    for m in (1, 4, 5, 16, 33, 64, 65, 128, 256, 511, 512, 1024, 4096, 8192, 16384):
         for n, k in DENSE_SHAPES:
             c = gsel.heuristic("dense", m, n, k)
             if m >= gsel.DEQUANT_MM_MIN_M:
@@ -71,6 +72,9 @@ def test_heuristics_are_valid_for_the_target_shapes():
                 assert not c.dequant_mm and c.split_k == 1, (kind, m, e, n, k, c)
                 assert c.gluon == (rows >= gsel.GLUON_MIN_EXPERT_ROWS), (kind, m, e, n, k, c)
                 assert c.gluon or c.bm >= min(rows, 128), (kind, m, e, n, k, c)
+                if c.gluon:
+                    tall = kind == "grouped" and rows >= gsel.GLUON_BM256_EXPERT_ROWS
+                    assert c.bm == (256 if tall else 128), (kind, m, e, n, k, c)
                 assert gsel.safe(c) == c and W4Config.from_json(c.to_json()) == c
     assert kinds_seen == {"triton", "gluon", "dequant_mm"}
     # on a machine with no tuned table (this one unless it has an H200) selection is the heuristic

@@ -302,6 +302,12 @@ GLUON_MIN_M = 64
 #: Rows per active expert (grouped) or max_m (masked) from which the Gluon kernel is the default (1.3-1.7x
 #: the Triton configs at 256 on the H200; NOTES.md, "Which kernel family runs where").
 GLUON_MIN_EXPERT_ROWS = 128
+#: Rows per active expert from which grouped Gluon tiles are 256 tokens tall instead of 128: each decoded
+#: weight tile then serves twice the rows, half the decode work per FLOP. On the H200 at 1024 rows per
+#: expert (Qwen3-30B-A3B, 16384 tokens) the up projection took 1615 against 1739 µs and the down 948 against
+#: 994 µs under sustained load, where the GPU runs at its power cap (~1.5 GHz), 1420 against 1566 µs (up)
+#: in a short burst (``bench_moe --sustained 16384``; results/moe_h200.md, "Power").
+GLUON_BM256_EXPERT_ROWS = 512
 
 
 def gluon_stages(bm: int, bk: int) -> int:
@@ -348,7 +354,7 @@ def heuristic(kind: str, m: int, n: int, k: int, e: int = 1, sms: int = 132) -> 
         active = e if kind == "masked" else 1
         rows = m
     if kind != "dense" and rows >= GLUON_MIN_EXPERT_ROWS:
-        return gluon_config(64, 128, 64)
+        return gluon_config(64, 256 if kind == "grouped" and rows >= GLUON_BM256_EXPERT_ROWS else 128, 64)
     if rows <= 8:
         cfg = TritonMmaConfig(bn=64, bm=8, bk=bk, num_warps=4, num_stages=4 if bk == 256 else 5)
     elif rows <= 16:
