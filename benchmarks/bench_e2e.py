@@ -400,10 +400,16 @@ def run_sweep(result: dict, timed, a) -> None:
                                     "ms_per_step": round(1e3 * b / med, 3)}
         print(f"[{a.engine} {a.model} {a.config}] batch {b}: {result['decode'][str(b)]}", flush=True)
     n, length = a.prefill
-    runs = [timed(n, length, 1) for _ in range(1 + a.repeats)]
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.common import GpuClockSampler
+
+    with GpuClockSampler() as clocks:     # prefill is power-bound: the clock it ran at is part of the result
+        runs = [timed(n, length, 1) for _ in range(1 + a.repeats)]
     rates = [n * length / dt for _, dt in runs]
     result["prefill"] = {"first_tok_s": round(rates[0], 1), "tok_s": round(statistics.median(rates[1:]), 1),
-                         "runs_tok_s": [round(r, 1) for r in rates[1:]], "prompts": n, "prompt_len": length}
+                         "runs_tok_s": [round(r, 1) for r in rates[1:]], "prompts": n, "prompt_len": length,
+                         "clocks": clocks.summary}
     print(f"[{a.engine} {a.model} {a.config}] prefill: {result['prefill']}", flush=True)
     # the same at other shapes: ms per run against engine steps per run separates a per-step cost from a
     # per-run one (one full chunk of max_num_batched_tokens, several, a partial one)
@@ -706,6 +712,22 @@ def prefill_shape_summary(rows: list[dict]) -> list[str]:
     return md + [""]
 
 
+def clock_table(rows: list[dict]) -> list[str]:
+    """The GPU's SM clock and power over each configuration's prefill runs (where sampled)."""
+    have = [r for r in rows if (r.get("prefill") or {}).get("clocks", {}).get("samples")]
+    if not have:
+        return []
+    md = ["GPU clock and power over the prefill runs (nvidia-smi every 100 ms; an H200 at its power cap runs "
+          "below its 1980 MHz boost):", "",
+          "| config | prefill tok/s | SM MHz median | SM MHz min | power W median | samples at the power cap |",
+          "|---|---:|---:|---:|---:|---:|"]
+    for r in have:
+        c = r["prefill"]["clocks"]
+        md.append(f"| {r['config']} | {r['prefill']['tok_s']} | {c['sm_mhz_median']:.0f} | {c['sm_mhz_min']:.0f} | "
+                  f"{c['power_w_median']} | {c['power_capped_share']:.0%} |")
+    return md + [""]
+
+
 def allocator_summary(rows: list[dict]) -> list[str]:
     """The worker's allocator counters over one extra prefill run, per configuration (where recorded)."""
     have = [r for r in rows if r.get("prefill_allocator") and "error" not in r["prefill_allocator"]]
@@ -755,6 +777,7 @@ def report(out: Path) -> str:
         md += [""] + [f"- {line}" for line in checks(rows, engine, model)] + [""]
         md += allocator_summary(rows)
         md += prefill_shape_summary(rows)
+        md += clock_table(rows)
         md += profile_summary(rows)
         for r in rows:
             for b, prof in (r.get("profile") or {}).items():

@@ -17,6 +17,16 @@ top-k routing for both:
 * ``eager µs``: wall time per call of back-to-back eager calls (one sync at the end): above the device
   time when the host path is the bottleneck.
 
+``--trace T`` records ``T`` tokens under the torch profiler instead, eager calls and one CUDA graph of the
+same calls: device µs per kernel in each, the GPU's idle time between kernels of the eager calls, and
+the CUDA runtime calls that held the host longest (a sync, an allocation, a copy) -- where eager time
+beyond the device time goes.
+
+``--sustained T`` times ``T`` tokens after seconds of load instead, when the GPU runs at its power cap:
+the layer (ours, vLLM's bf16) and the two grouped GEMMs under the selected config and a few other Gluon
+tiles, beside ``torch._grouped_mm`` on the same weights in bf16; burst (the idle GPU's first replay) and
+sustained µs per call. Short CUDA-graph timings rank kernels at boost clock; served prefill runs at the cap.
+
 The peer is vLLM's Triton ``fused_experts`` on the same weights dequantized to bf16 (what ``--dtype bf16``
 serves); without vLLM its columns say why. ``--smoke`` runs a tiny shape without the peer, on the GPU or,
 without one, through the interpreter (the table's form, not numbers to quote).
@@ -33,8 +43,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_gemm as BG  # noqa: E402
-from benchmarks.common import time_calls, wall_us_per_call  # noqa: E402
+from benchmarks.common import time_calls, time_sustained, wall_us_per_call  # noqa: E402
 from nvfp4_plugin.gemm import moe_routing, w4_fused_moe, w4_grouped  # noqa: E402
+from nvfp4_plugin.gemm.select import GluonConfig, select_config  # noqa: E402
 from nvfp4_plugin.gemm.moe_glue import moe_combine, silu_and_mul  # noqa: E402
 
 DEFAULT_TOKENS = (1, 8, 64, 512, 2048, 8192, 16384)
@@ -113,6 +124,143 @@ def measure(model: dict, tokens_list, device, with_vllm: bool = True) -> tuple[l
     return rows, reason
 
 
+TRACE_CALLS = 5
+RUNTIME_SYNCS = ("Synchronize", "Malloc", "Free", "Memcpy", "Memset", "EventQuery", "HostAlloc")
+
+
+def _profile(fn, calls: int, graph: bool):
+    """Torch-profiler events of ``calls`` calls of ``fn(i)``: eager, or one CUDA graph of them replayed once."""
+    from torch.profiler import ProfilerActivity, profile
+    g = None
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(0)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(calls):
+                fn(i)
+    fn(0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        if g is not None:
+            g.replay()
+        else:
+            for i in range(calls):
+                fn(i)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e6
+    return prof.events(), wall
+
+
+def trace_summary(events, wall_us: float, calls: int) -> dict:
+    """Per kernel name: µs per call of the layer; the GPU's idle time between consecutive kernels; and the
+    CUDA runtime calls (syncs, allocations, copies) that held the host, from profiler ``events``."""
+    kernels = sorted((e for e in events if e.device_type.name == "CUDA" and e.device_time_total > 0),
+                     key=lambda e: e.time_range.start)
+    per = {}
+    for e in kernels:
+        name = e.name if len(e.name) <= 60 else e.name[:57] + "..."
+        per[name] = per.get(name, 0.0) + e.time_range.elapsed_us() / calls
+    idle, gaps = 0.0, []
+    for a, b in zip(kernels, kernels[1:]):
+        gap = b.time_range.start - a.time_range.end
+        if gap > 0:
+            idle += gap
+            gaps.append((gap, a.name[:40], b.name[:40]))
+    runtime = {}
+    for e in events:
+        if e.device_type.name == "CPU" and any(k in e.name for k in RUNTIME_SYNCS):
+            c, us = runtime.get(e.name, (0, 0.0))
+            runtime[e.name] = (c + 1, us + e.time_range.elapsed_us())
+    busy = sum(per.values())
+    return dict(wall_us=wall_us / calls, kernel_us=busy, idle_us=idle / calls, per_kernel=per,
+                top_gaps=sorted(gaps, reverse=True)[:5], runtime=runtime)
+
+
+def trace(model: dict, tokens: int, with_vllm: bool) -> str:
+    e, top_k, h, inter = model["E"], model["top_k"], model["H"], model["I"]
+    p13 = BG.random_packed((e,), 2 * inter, h, device="cuda", seed=1)
+    p2 = BG.random_packed((e,), h, inter, device="cuda", seed=2)
+    x = (torch.randn(tokens, h, device="cuda") * 0.5).to(torch.bfloat16)
+    routs = _routings(tokens, e, top_k, max(2, BG.rotations(tokens)), "cuda")
+    fns = {"ours": lambda i: w4_fused_moe(x, p13, p2, routs[i % len(routs)][1], routs[i % len(routs)][0])}
+    peer, _ = _vllm_bf16() if with_vllm else (None, None)
+    if peer is not None:
+        w13_16, w2_16 = BG.bf16_weights(p13), BG.bf16_weights(p2)
+        fns["vLLM bf16"] = lambda i: peer(x, w13_16, w2_16, routs[i % len(routs)][1], routs[i % len(routs)][0])
+    md = [f"Trace of {tokens} tokens, {TRACE_CALLS} calls (µs per call):", ""]
+    for name, fn in fns.items():
+        res = {mode: trace_summary(*_profile(fn, TRACE_CALLS, mode == "graph"), TRACE_CALLS)
+               for mode in ("eager", "graph")}
+        ea, gr = res["eager"], res["graph"]
+        md += [f"### {name}", "",
+               f"eager: wall {ea['wall_us']:.1f}, kernels {ea['kernel_us']:.1f}, GPU idle between kernels "
+               f"{ea['idle_us']:.1f}; graph: wall {gr['wall_us']:.1f}, kernels {gr['kernel_us']:.1f}", "",
+               "| kernel | eager µs | graph µs |", "|---|---:|---:|"]
+        for k in sorted(set(ea["per_kernel"]) | set(gr["per_kernel"]), key=lambda k: -ea["per_kernel"].get(k, 0)):
+            md.append(f"| `{k}` | {ea['per_kernel'].get(k, 0):.1f} | {gr['per_kernel'].get(k, 0):.1f} |")
+        md += ["", "Longest GPU idle gaps (eager): " + "; ".join(f"{g:.0f} µs {a} -> {b}"
+                                                              for g, a, b in ea["top_gaps"]),
+               "", "CUDA runtime calls (eager, over all calls): " + "; ".join(
+                   f"{k} x{c} {us:.0f} µs" for k, (c, us) in sorted(ea["runtime"].items(), key=lambda kv: -kv[1][1])),
+               ""]
+    return "\n".join(md) + "\n"
+
+
+#: Gluon tiles compared under sustained load (--sustained), beside the selected one.
+SUSTAINED_CONFIGS = {"bn64 bm128": GluonConfig(bn=64, bm=128, bk=64, num_warps=4, num_stages=4),
+                     "bn64 bm256": GluonConfig(bn=64, bm=256, bk=64, num_warps=4, num_stages=3),
+                     "bn128 bm128": GluonConfig(bn=128, bm=128, bk=64, num_warps=8, num_stages=4),
+                     "bn128 bm256": GluonConfig(bn=128, bm=256, bk=64, num_warps=8, num_stages=2),
+                     "bn64 bm128 prefetch 4": GluonConfig(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, prefetch=4)}
+
+
+def sustained(model: dict, tokens: int, with_vllm: bool) -> str:
+    e, top_k, h, inter = model["E"], model["top_k"], model["H"], model["I"]
+    p13 = BG.random_packed((e,), 2 * inter, h, device="cuda", seed=1)
+    p2 = BG.random_packed((e,), h, inter, device="cuda", seed=2)
+    x = (torch.randn(tokens, h, device="cuda") * 0.5).to(torch.bfloat16)
+    (ids, w), = _routings(tokens, e, top_k, 1, "cuda")
+    rt = moe_routing(ids, e)
+    xs = x.index_select(0, rt["gather_idx"].long())
+    act = (torch.randn(tokens * top_k, inter, device="cuda") * 0.5).to(torch.bfloat16)
+    rows = tokens * top_k
+    md = [f"Sustained load, {tokens} tokens ({rows} routed rows), µs per call: burst (about 30 ms of replays on a "
+          "rested GPU) / sustained (after 1.5 s of replays)", "", "| what | config | burst | sustained |",
+          "|---|---|---:|---:|"]
+
+    def add(what, cfg, fn):
+        try:
+            sus, burst = time_sustained(fn)
+            md.append(f"| {what} | {cfg} | {burst:.1f} | {sus:.1f} |")
+        except Exception as exc:  # noqa: BLE001 - one failing config is reported in the table
+            md.append(f"| {what} | {cfg} | failed: {type(exc).__name__}: {str(exc)[:60]} | |")
+        print(md[-1], flush=True)
+
+    add("layer, ours", "selected", lambda: w4_fused_moe(x, p13, p2, w, ids))
+    peer, reason = _vllm_bf16() if with_vllm else (None, "off")
+    w13_16, w2_16 = BG.bf16_weights(p13), BG.bf16_weights(p2)
+    if peer is not None:
+        add("layer, vLLM bf16", "fused_experts", lambda: peer(x, w13_16, w2_16, w, ids))
+    else:
+        md.append(f"| layer, vLLM bf16 | {reason} | | |")
+    ends = rt["expert_offsets"][1:]
+    for proj, p, inp, wb in (("up", p13, xs, w13_16), ("down", p2, act, w2_16)):
+        sel = select_config("grouped", rows, p.layout.n, p.layout.k, e, device=x.device)
+        add(f"{proj} GEMM (rows in expert order)", f"selected: {sel.label} bn{sel.bn} bm{sel.bm}",
+            lambda p=p, inp=inp: w4_grouped(inp, p, rt["expert_offsets"]))
+        for name, cfg in SUSTAINED_CONFIGS.items():
+            add(f"{proj} GEMM", f"gluon {name}", lambda p=p, inp=inp, cfg=cfg: w4_grouped(inp, p, rt["expert_offsets"],
+                                                                                          config=cfg))
+        add(f"{proj} GEMM", "bf16 torch._grouped_mm", lambda inp=inp, wb=wb: torch._grouped_mm(inp, wb.transpose(1, 2),
+                                                                                                offs=ends))
+    return "\n".join(md) + "\n"
+
+
 def table(rows: list[dict], model_name: str, model: dict, reason: str | None) -> str:
     def f(v):
         return "-" if v is None else f"{v:.1f}"
@@ -138,12 +286,16 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(BG.MOE_MODELS))
     ap.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's bf16 fused_experts")
+    ap.add_argument("--trace", type=int, metavar="TOKENS",
+                    help="profile TOKENS tokens (eager and CUDA graph) instead of the table; GPU only")
+    ap.add_argument("--sustained", type=int, metavar="TOKENS",
+                    help="time TOKENS tokens after seconds of load (power-capped clocks) instead; GPU only")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shape, no peer (the GPU if there is one, else the CPU interpreter): checks the script")
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not a.smoke:
-        print("bench_moe: needs a CUDA GPU (or --smoke)")
+        print("bench_moe: needs a CUDA GPU (or --smoke, which neither --trace nor --sustained take)")
         return 2
     device = "cuda" if cuda else "cpu"
     BG.DEVICE = device
@@ -151,6 +303,16 @@ def main(argv=None) -> int:
     tokens = [t for t in a.tokens if t >= 1] if not a.smoke else [t for t in a.tokens if t <= 64] or [1, 8]
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False
+    if a.smoke and (a.trace or a.sustained):
+        print("bench_moe: --trace and --sustained time a real shape on a GPU; not with --smoke")
+        return 2
+    if a.trace or a.sustained:
+        text = (trace(model, a.trace, with_vllm=not a.no_vllm) if a.trace
+                else sustained(model, a.sustained, with_vllm=not a.no_vllm))
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(text)
+        print(text)
+        return 0
     rows, reason = measure(model, tokens, device, with_vllm=not (a.no_vllm or a.smoke))
     gpu = (torch.cuda.get_device_name() if cuda else "CPU") + (" (smoke run)" if a.smoke else "")
     head = (f"# One fused-MoE layer forward ({gpu}, {time.strftime('%Y-%m-%d')})\n\n"

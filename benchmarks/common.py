@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import statistics
+import subprocess
 import time
 
 import torch
@@ -122,6 +124,52 @@ def wall_us_per_call(fn, calls: int, cuda: bool) -> float:
     return statistics.median(runs)
 
 
+def time_sustained(fn, *, warm_s: float = 1.5, meas_s: float = 1.5, per_graph: int = 5) -> tuple[float, float]:
+    """``(sustained, burst)`` µs per call of ``fn()``: a CUDA graph of ``per_graph`` calls replayed for ``warm_s``
+    seconds (the GPU reaches its steady clock: under heavy tensor-core load an H200 sits at its power cap,
+    ~1.5 GHz, instead of its 1.98 GHz boost), then for ``meas_s`` seconds timed; ``burst``: about 30 ms of
+    replays of the rested GPU after three untimed ones (its clock up from idle), what :func:`time_calls` sees."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per_graph):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    time.sleep(0.5)                 # a rested GPU, as a short benchmark finds it
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    one = max(start.elapsed_time(end) / 1e3, 1e-6)
+    n = max(1, int(0.03 / one))
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    one = max(start.elapsed_time(end) / 1e3 / n, 1e-6)
+    burst = one / per_graph * 1e6
+    for _ in range(max(1, int(warm_s / one))):
+        graph.replay()
+    reps = max(1, int(meas_s / one))
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    del graph
+    return start.elapsed_time(end) * 1e3 / (reps * per_graph), burst
+
+
 def time_graph(fn, args_list, min_ms: float = 30.0) -> float:
     """Seconds per call of ``fn(*args)``, a CUDA graph of one call per argument tuple (:func:`time_calls`)."""
     return time_calls([functools.partial(fn, *a) for a in args_list], min_ms=min_ms)
@@ -145,3 +193,68 @@ def time_any(fn, args_list) -> tuple[float, str]:
     except Exception:  # a peer that cannot be captured: eager timing (includes launch overhead)
         torch.cuda.synchronize()
         return time_eager(fn, args_list, iters=20), "eager"
+
+
+#: nvidia-smi query of the SM clock (MHz), board power (W) and active clock-throttle reasons (bit mask;
+#: 0x4 = software power cap), sampled every 100 ms by :class:`GpuClockSampler`.
+SMI_QUERY = ("clocks.sm", "power.draw", "clocks_throttle_reasons.active")
+POWER_CAP_BIT = 0x4
+
+
+def smi_command(gpu: int, period_ms: int = 100) -> list[str]:
+    return ["nvidia-smi", f"--query-gpu={','.join(SMI_QUERY)}", "--format=csv,noheader,nounits",
+            f"-lms={period_ms}", f"--id={gpu}"]
+
+
+def clock_summary(lines) -> dict:
+    """Median / lowest SM clock, median power and the share of samples throttled by the power cap, from
+    nvidia-smi lines of :data:`SMI_QUERY` (lines that do not parse are skipped)."""
+    mhz, watts, capped = [], [], 0
+    for ln in lines:
+        parts = [p.strip() for p in ln.split(",")]
+        if len(parts) != 3:
+            continue
+        try:
+            m, w, r = float(parts[0]), float(parts[1]), int(parts[2], 16)
+        except ValueError:
+            continue
+        mhz.append(m)
+        watts.append(w)
+        capped += bool(r & POWER_CAP_BIT)
+    if not mhz:
+        return {"samples": 0}
+    return {"samples": len(mhz), "sm_mhz_median": statistics.median(mhz), "sm_mhz_min": min(mhz),
+            "power_w_median": round(statistics.median(watts), 1), "power_capped_share": round(capped / len(mhz), 2)}
+
+
+class GpuClockSampler:
+    """``with GpuClockSampler() as s: ...`` samples the SM clock and power of the (first visible) GPU while the
+    block runs; ``s.summary`` is :func:`clock_summary` of it (``{"error": ...}`` without nvidia-smi). Under
+    sustained tensor-core load an H200 runs at its power cap (~1.5 GHz instead of 1.98 GHz boost): two
+    configurations can differ in tokens/s by their clocks, not only by their work."""
+
+    def __init__(self, gpu: int | None = None, command: list[str] | None = None):
+        if gpu is None:
+            vis = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+            gpu = int(vis) if vis.isdigit() else 0
+        self.command = command or smi_command(gpu)
+        self.summary: dict = {}
+        self._proc = None
+
+    def __enter__(self):
+        try:
+            self._proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError as exc:
+            self.summary = {"error": f"{type(exc).__name__}: {exc}"}
+        return self
+
+    def __exit__(self, *exc):
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                out, _ = self._proc.communicate(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                out, _ = self._proc.communicate()
+            self.summary = clock_summary(out.splitlines())
+        return False

@@ -237,3 +237,29 @@ def test_run_hands_the_parallelism_to_each_worker(tmp_path, monkeypatch):
     assert all(c[c.index("--prefill-shapes") + 1:c.index("--prefill-shapes") + 4] == list(E.PREFILL_SHAPES)
                for c in cmds)
 
+
+
+def test_gpu_clock_sampler_summarises_nvidia_smi_lines():
+    import sys
+
+    from benchmarks.common import GpuClockSampler, clock_summary, smi_command
+    assert smi_command(3)[-1] == "--id=3" and "clocks.sm,power.draw,clocks_throttle_reasons.active" in smi_command(3)[1]
+    lines = ["1980, 120.5, 0x0000000000000000", "1485, 695.0, 0x0000000000000004", "1170, 690.0, 0x0000000000000004",
+             "[N/A], 3.0, 0x0", "garbage"]
+    s = clock_summary(lines)
+    assert s == {"samples": 3, "sm_mhz_median": 1485.0, "sm_mhz_min": 1170.0, "power_w_median": 690.0,
+                 "power_capped_share": 0.67}
+    assert clock_summary([]) == {"samples": 0}
+    fake = [sys.executable, "-c", "import time; print('1500, 650.0, 0x4', flush=True); time.sleep(30)"]
+    with GpuClockSampler(command=fake) as c:
+        import time
+        time.sleep(1.0)
+    assert c.summary["samples"] == 1 and c.summary["power_capped_share"] == 1.0
+    with GpuClockSampler(command=["/nonexistent/nvidia-smi"]) as c:
+        pass
+    assert "error" in c.summary
+    rows = [_result("bf16", {1: 1.0}, 100.0), _result("ours", {1: 1.0}, 90.0)]
+    rows[1]["prefill"]["clocks"] = s
+    md = E.clock_table(rows)
+    assert md[4:5] == ["| ours | 90.0 | 1485 | 1170 | 690.0 | 67% |"] and len(md) == 6
+    assert E.clock_table(rows[:1]) == []

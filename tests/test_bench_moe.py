@@ -1,5 +1,6 @@
 """benchmarks/bench_moe.py's smoke run (the CPU interpreter, or the GPU where there is one): the table's form."""
 
+import pytest
 import torch
 
 from benchmarks import bench_moe as M
@@ -16,3 +17,53 @@ def test_moe_layer_benchmark_runs_on_the_cpu(tmp_path):
     for r in rows:   # ours and every stage timed; the peer is not run in a smoke run, which says so
         assert r[2] == "-" and all(float(v) > 0 for v in [r[1], *r[4:9]]), r
     assert "vLLM bf16: off" in text or "vLLM bf16: not run (no GPU)" in text
+
+
+class _Range:
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+    def elapsed_us(self):
+        return self.end - self.start
+
+
+class _Ev:
+    def __init__(self, name, kind, start, end):
+        self.name, self.time_range = name, _Range(start, end)
+        self.device_type = type("D", (), {"name": kind})()
+        self.device_time_total = end - start if kind == "CUDA" else 0
+
+
+def test_trace_summary_splits_kernel_time_idle_gaps_and_host_syncs():
+    """The profile reading of --trace: kernel µs per layer call by name, the GPU's idle time between kernels
+    (the gaps, largest first, with their neighbours) and the CUDA runtime calls that can hold the host."""
+    ev = [_Ev("route", "CUDA", 0, 10), _Ev("gemm", "CUDA", 40, 140), _Ev("gemm", "CUDA", 140, 240),
+          _Ev("combine", "CUDA", 245, 265), _Ev("cudaLaunchKernel", "CPU", 0, 5),
+          _Ev("cudaStreamSynchronize", "CPU", 5, 35), _Ev("cudaMalloc", "CPU", 36, 38)]
+    s = M.trace_summary(ev, wall_us=600.0, calls=2)
+    assert s["per_kernel"] == {"route": 5.0, "gemm": 100.0, "combine": 10.0}
+    assert s["kernel_us"] == 115.0 and s["wall_us"] == 300.0
+    assert s["idle_us"] == 17.5                                   # (30 + 5) / 2 calls
+    assert s["top_gaps"][0] == (30, "route", "gemm") and len(s["top_gaps"]) == 2
+    assert s["runtime"] == {"cudaStreamSynchronize": (1, 30), "cudaMalloc": (1, 2)}
+
+
+def test_trace_and_sustained_take_a_real_shape_on_a_gpu(capsys):
+    assert M.main(["--out", "unused.md", "--trace", "64", "--smoke"]) == 2
+    assert M.main(["--out", "unused.md", "--sustained", "64", "--smoke"]) == 2
+    assert capsys.readouterr().out.count("not with --smoke") == 2
+    if not torch.cuda.is_available():
+        assert M.main(["--out", "unused.md", "--trace", "64"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_gpu_trace_names_our_kernels_and_sustained_timer(tmp_path):
+    out = tmp_path / "trace.md"
+    assert M.main(["--out", str(out), "--trace", "256", "--no-vllm"]) == 0
+    text = out.read_text()
+    assert "### ours" in text and "`w4_" in text and "GPU idle between kernels" in text
+    from benchmarks.common import time_sustained
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    sus, burst = time_sustained(lambda: a @ a, warm_s=0.2, meas_s=0.2)
+    assert 0 < burst and 0.3 * burst < sus < 5 * burst, (sus, burst)
