@@ -239,6 +239,7 @@ def kernel_table(trace_path: str, steps: int, top: int = 15) -> dict:
     by_name: dict[str, list[float]] = {}
     graphs = eager = 0
     first, last = None, None
+    gpu, host = [], []
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -246,19 +247,46 @@ def kernel_table(trace_path: str, steps: int, top: int = 15) -> dict:
             dur = float(e.get("dur", 0.0))
             by_name.setdefault(e["name"], []).append(dur)
             ts = float(e.get("ts", 0.0))
+            gpu.append((ts, ts + dur))
             first = ts if first is None else min(first, ts)
             last = ts + dur if last is None else max(last, ts + dur)
         elif e.get("cat") in ("cuda_runtime", "cuda_driver"):
             graphs += e.get("name") in GRAPH_LAUNCHES
             eager += e.get("name") in KERNEL_LAUNCHES
+            host.append(e)
+        elif e.get("cat") in ("cpu_op", "user_annotation"):
+            host.append(e)
     total = sum(sum(v) for v in by_name.values())
     rows = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)
     span = (last - first) if first is not None else 0.0
     return {"steps": steps, "gpu_us_per_step": total / steps,
             "graph_launches_per_step": graphs / steps, "kernel_launches_per_step": eager / steps,
             "gpu_busy": round(total / span, 3) if span else None,
+            "idle_gaps": idle_gaps(gpu, host),
             "kernels": [{"name": k[:120], "us_per_step": t / steps, "share": t / total if total else 0.0,
                          "calls_per_step": n / steps} for t, n, k in rows[:top]]}
+
+
+def idle_gaps(gpu: list[tuple[float, float]], host: list[dict], min_us: float = 1000.0, top: int = 5) -> dict:
+    """Stretches of ``min_us`` or more in which no kernel or copy ran (``gpu``: (start, end) µs), with the host
+    events (CPU ops, CUDA runtime calls) that overlapped the longest one most: what the GPU waited for."""
+    gaps, end = [], None
+    for a, b in sorted(gpu):
+        if end is not None and a - end >= min_us:
+            gaps.append((end, a))
+        end = b if end is None else max(end, b)
+    out = {"count": len(gaps), "total_us": round(sum(b - a for a, b in gaps), 1)}
+    if gaps:
+        g0, g1 = max(gaps, key=lambda g: g[1] - g[0])
+        over: dict[str, float] = {}
+        for e in host:
+            ts = float(e.get("ts", 0.0))
+            ov = min(g1, ts + float(e.get("dur", 0.0))) - max(g0, ts)
+            if ov > 0:
+                over[e["name"][:80]] = over.get(e["name"][:80], 0.0) + ov
+        out["max_us"] = round(g1 - g0, 1)
+        out["host_during_max"] = [[k, round(v, 1)] for k, v in sorted(over.items(), key=lambda kv: -kv[1])[:top]]
+    return out
 
 
 #: torch caching-allocator counters read in the engine's worker around one prefill run: a cudaMalloc retry
@@ -334,10 +362,10 @@ def _vllm_worker(a, result: dict) -> None:
     if not a.profile_batches:
         return
 
-    def profiled(key: str, n: int, length: int, gen: int) -> None:
+    def profiled(key: str, n: int, length: int, gen: int, run=None) -> None:
         before = set(glob.glob(os.path.join(prof_dir, "*.json*")))
         llm.start_profile()
-        timed(n, length, gen)
+        (run or timed)(n, length, gen)
         llm.stop_profile()
         # (vLLM names every trace after the first start's prefix: take the files this run added)
         new = sorted(set(glob.glob(os.path.join(prof_dir, "*.json*"))) - before, key=os.path.getmtime)
@@ -357,6 +385,18 @@ def _vllm_worker(a, result: dict) -> None:
     profiled("prefill", n, length, 1)
     if "prefill" in result["profile"]:
         result["profile"]["prefill"]["tokens_per_step"] = chunk
+    # runs of one engine step each (the first --prefill-shapes shape, when it fits a chunk): the profile window
+    # then spans whole runs and the GPU's idle time between them, where a cost per run shows
+    if a.prefill_shapes:
+        n1, len1 = parse_shape(a.prefill_shapes[0])
+        if n1 * len1 <= chunk:
+            runs = a.profile_delay + a.profile_steps
+
+            def several(n_, length_, gen_):
+                for _ in range(runs):
+                    timed(n_, length_, gen_)
+
+            profiled("prefill runs " + a.prefill_shapes[0], n1, len1, 1, run=several)
 
 
 def _sglang_worker(a, result: dict) -> None:
@@ -679,6 +719,15 @@ def checks(results: list[dict], engine: str, model: str) -> list[str]:
     return lines
 
 
+def idle_gap_line(gaps: dict | None, steps: int) -> list[str]:
+    """The GPU's idle stretches of 1 ms or more in a profile window, and what the host did in the longest."""
+    if not gaps or not gaps.get("count"):
+        return []
+    host = "; ".join(f"`{n}` {us / 1e3:.1f} ms" for n, us in gaps.get("host_during_max", [])) or "nothing recorded"
+    return [f"GPU idle for 1 ms or more: {gaps['count']} times over {steps} steps, {gaps['total_us'] / 1e3:.1f} ms "
+            f"in all, the longest {gaps['max_us'] / 1e3:.1f} ms; the host meanwhile: {host}", ""]
+
+
 def profile_summary(rows: list[dict]) -> list[str]:
     """One line per profiled (config, batch): GPU work and wall time per decode step, how busy the GPU
     was, and the launches per step (a decode step inside the engine's full CUDA graph is one graph
@@ -781,15 +830,19 @@ def report(out: Path) -> str:
         md += profile_summary(rows)
         for r in rows:
             for b, prof in (r.get("profile") or {}).items():
-                what = (f"prefill, {prof.get('tokens_per_step')} prompt tokens per step "
-                        f"({prof['gpu_us_per_step']:.0f} µs of GPU work per step)" if b == "prefill" else
-                        f"batch {b} ({prof['gpu_us_per_step']:.0f} µs of GPU work per decode step, "
-                        f"{(r['decode'].get(b) or {}).get('ms_per_step', '?')} ms wall per step)")
+                if b == "prefill":
+                    what = (f"prefill, {prof.get('tokens_per_step')} prompt tokens per step "
+                            f"({prof['gpu_us_per_step']:.0f} µs of GPU work per step)")
+                elif b.startswith("prefill runs"):
+                    what = f"{b} of one engine step each ({prof['gpu_us_per_step']:.0f} µs of GPU work per run)"
+                else:
+                    what = (f"batch {b} ({prof['gpu_us_per_step']:.0f} µs of GPU work per decode step, "
+                            f"{(r['decode'].get(b) or {}).get('ms_per_step', '?')} ms wall per step)")
                 md += [f"### profile: {engine} {model} {r['config']}{where}, {what}", "",
                        "| kernel | µs / step | share | calls / step |", "|---|---:|---:|---:|"]
                 md += [f"| `{k['name']}` | {k['us_per_step']:.1f} | {100 * k['share']:.1f}% | "
                        f"{k['calls_per_step']:.1f} |" for k in prof["kernels"]]
-                md.append("")
+                md += ["", *idle_gap_line(prof.get("idle_gaps"), prof.get("steps", 1))]
     serves = [r for r in results if "concurrency" in r]
     if serves:
         md += ["## vllm serve, streaming clients", "",

@@ -263,3 +263,24 @@ def test_gpu_clock_sampler_summarises_nvidia_smi_lines():
     md = E.clock_table(rows)
     assert md[4:5] == ["| ours | 90.0 | 1485 | 1170 | 690.0 | 67% |"] and len(md) == 6
     assert E.clock_table(rows[:1]) == []
+
+
+def test_idle_gaps_name_what_the_host_did_meanwhile(tmp_path):
+    """A profile window over several one-step runs: the GPU's idle stretches of 1 ms or more, and the host
+    events that overlapped the longest (here our MoE op's host path, then a sync)."""
+    events = [{"ph": "X", "cat": "kernel", "name": "k", "ts": 0.0, "dur": 1000.0},
+              {"ph": "X", "cat": "kernel", "name": "k", "ts": 1500.0, "dur": 100.0},      # a 0.5 ms gap: ignored
+              {"ph": "X", "cat": "kernel", "name": "k", "ts": 5600.0, "dur": 100.0},      # a 4 ms gap
+              {"ph": "X", "cat": "kernel", "name": "k", "ts": 7700.0, "dur": 100.0},      # a 2 ms gap
+              {"ph": "X", "cat": "cpu_op", "name": "nvfp4_layers::fused_moe", "ts": 1700.0, "dur": 3000.0},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 4700.0, "dur": 900.0},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 100.0, "dur": 50.0}]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(events))
+    g = E.kernel_table(str(path), steps=2)["idle_gaps"]
+    assert g["count"] == 2 and g["total_us"] == 6000.0 and g["max_us"] == 4000.0
+    assert g["host_during_max"] == [["nvfp4_layers::fused_moe", 3000.0], ["cudaStreamSynchronize", 900.0]]
+    line = E.idle_gap_line(g, 2)
+    assert line[0].startswith("GPU idle for 1 ms or more: 2 times over 2 steps, 6.0 ms in all, the longest 4.0 ms")
+    assert "`nvfp4_layers::fused_moe` 3.0 ms" in line[0]
+    assert E.idle_gap_line({"count": 0, "total_us": 0.0}, 2) == [] and E.idle_gap_line(None, 1) == []
