@@ -70,13 +70,7 @@ def time_calls(calls: list, *, fill_ms: float = 0.0, min_ms: float = 30.0, max_c
     Without a GPU: the median wall clock of the calls (CPU smoke runs)."""
     if not torch.cuda.is_available():
         return statistics.median(_wall_time(c, 1) for c in calls)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):   # warm-up (compilation, autotuning) outside the capture
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    _warm_up(calls)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     n = len(calls)
     if fill_ms > 0:
@@ -92,18 +86,32 @@ def time_calls(calls: list, *, fill_ms: float = 0.0, min_ms: float = 30.0, max_c
             calls[i % len(calls)]()
     graph.replay()
     torch.cuda.synchronize()
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    reps = max(3, min(1000, int(min_ms / max(start.elapsed_time(end), 1e-3))))
+    reps = max(3, min(1000, int(min_ms / max(_replays_ms(graph, 1), 1e-3))))
+    ms = _replays_ms(graph, reps)
+    del graph
+    return ms / 1e3 / (reps * n)
+
+
+def _warm_up(calls) -> None:
+    """Each call once on a side stream (compilation, autotuning, lazy allocations) before a graph capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+def _replays_ms(graph, reps: int) -> float:
+    """Device ms of ``reps`` back-to-back replays of a CUDA ``graph`` (CUDA events around them)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
         graph.replay()
     end.record()
     end.synchronize()
-    del graph
-    return start.elapsed_time(end) / 1e3 / (reps * n)
+    return start.elapsed_time(end)
 
 
 def wall_us_per_call(fn, calls: int, cuda: bool) -> float:
@@ -129,12 +137,7 @@ def time_sustained(fn, *, warm_s: float = 1.5, meas_s: float = 1.5, per_graph: i
     seconds (the GPU reaches its steady clock: under heavy tensor-core load an H200 sits at its power cap,
     ~1.5 GHz, instead of its 1.98 GHz boost), then for ``meas_s`` seconds timed; ``burst``: about 30 ms of
     replays of the rested GPU after three untimed ones (its clock up from idle), what :func:`time_calls` sees."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    _warm_up([fn])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(per_graph):
@@ -144,30 +147,16 @@ def time_sustained(fn, *, warm_s: float = 1.5, meas_s: float = 1.5, per_graph: i
     time.sleep(0.5)                 # a rested GPU, as a short benchmark finds it
     for _ in range(3):
         graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    one = max(start.elapsed_time(end) / 1e3, 1e-6)
+    one = max(_replays_ms(graph, 1) / 1e3, 1e-6)                     # seconds per replay
     n = max(1, int(0.03 / one))
-    start.record()
-    for _ in range(n):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    one = max(start.elapsed_time(end) / 1e3 / n, 1e-6)
+    one = max(_replays_ms(graph, n) / 1e3 / n, 1e-6)
     burst = one / per_graph * 1e6
     for _ in range(max(1, int(warm_s / one))):
         graph.replay()
     reps = max(1, int(meas_s / one))
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
+    ms = _replays_ms(graph, reps)
     del graph
-    return start.elapsed_time(end) * 1e3 / (reps * per_graph), burst
+    return ms * 1e3 / (reps * per_graph), burst
 
 
 def time_graph(fn, args_list, min_ms: float = 30.0) -> float:
