@@ -473,6 +473,13 @@ def _shape_arg(shape: str) -> str:
     return shape
 
 
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text}")
+    return v
+
+
 def parse_shape(shape: str) -> tuple[int, int]:
     """``"16x1024"`` -> (16 prompts, 1024 tokens each)."""
     try:
@@ -610,35 +617,38 @@ def run(a) -> int:
     suffix = "" if par == "tp1" else f"-{par}"
     if "sglang" in a.engines and "builtin" in (a.configs or CONFIGS["sglang"]):
         prebuild_sglang_jit()
-    for engine in a.engines:
-        for model in a.models:
-            for config in a.configs or CONFIGS[engine]:
-                if config not in CONFIGS[engine]:
-                    continue
-                res_path = out / f"{engine}-{model}-{config}{suffix}.json"
-                if res_path.exists() and not a.overwrite:
-                    print(f"=== {res_path.name}: already there", flush=True)
-                    continue
-                kind = CONFIGS[engine][config][0]
-                cmd = [sys.executable, "-m", "benchmarks.bench_e2e", "worker", "--engine", engine, "--model", model,
-                       "--config", config, "--model-path", str(paths[model][kind]), "--out", str(res_path),
-                       "--batches", *map(str, a.batches), "--prompt-len", str(a.prompt_len),
-                       "--gen-len", str(a.gen_len), "--prefill", *map(str, a.prefill),
-                       "--prefill-shapes", *a.prefill_shapes,
-                       "--mem-fraction", str(a.mem_fraction), "--max-model-len", str(a.max_model_len),
-                       "--repeats", str(a.repeats), "--tp", str(a.tp)] + (["--ep"] if a.ep else [])
-                if a.profile_batches and engine == "vllm":
-                    cmd += ["--profile-batches", *map(str, a.profile_batches)]
-                print(f"=== {engine} {model} {config} {par}", flush=True)
-                t = time.time()
-                with open(out / f"{engine}-{model}-{config}{suffix}.log", "w") as log:
-                    try:
-                        subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                       timeout=a.timeout)
-                    except subprocess.TimeoutExpired:
-                        res_path.write_text(json.dumps({"engine": engine, "model": model, "config": config,
-                                                        "parallel": par, "error": f"timed out after {a.timeout} s"}))
-                print(f"=== {engine} {model} {config} {par}: {time.time() - t:.0f} s", flush=True)
+    for rnd, engine, model, config in ((rnd, engine, model, config) for rnd in range(a.rounds)
+                                       for engine in a.engines for model in a.models
+                                       for config in a.configs or CONFIGS[engine]):
+        if config not in CONFIGS[engine]:
+            continue
+        # rounds after the first: the same configurations again, each in a fresh engine process, after
+        # all of the previous round (host-bound decode varies by up to ±30% between processes)
+        tag = suffix + (f".round{rnd}" if rnd else "")
+        res_path = out / f"{engine}-{model}-{config}{tag}.json"
+        if res_path.exists() and not a.overwrite:
+            print(f"=== {res_path.name}: already there", flush=True)
+            continue
+        kind = CONFIGS[engine][config][0]
+        cmd = [sys.executable, "-m", "benchmarks.bench_e2e", "worker", "--engine", engine, "--model", model,
+               "--config", config, "--model-path", str(paths[model][kind]), "--out", str(res_path),
+               "--batches", *map(str, a.batches), "--prompt-len", str(a.prompt_len),
+               "--gen-len", str(a.gen_len), "--prefill", *map(str, a.prefill),
+               "--prefill-shapes", *a.prefill_shapes,
+               "--mem-fraction", str(a.mem_fraction), "--max-model-len", str(a.max_model_len),
+               "--repeats", str(a.repeats), "--tp", str(a.tp)] + (["--ep"] if a.ep else [])
+        if a.profile_batches and engine == "vllm" and rnd == 0:
+            cmd += ["--profile-batches", *map(str, a.profile_batches)]
+        print(f"=== {engine} {model} {config} {par}" + (f" round {rnd}" if rnd else ""), flush=True)
+        t = time.time()
+        with open(out / f"{engine}-{model}-{config}{tag}.log", "w") as log:
+            try:
+                subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                               timeout=a.timeout)
+            except subprocess.TimeoutExpired:
+                res_path.write_text(json.dumps({"engine": engine, "model": model, "config": config,
+                                                "parallel": par, "error": f"timed out after {a.timeout} s"}))
+        print(f"=== {engine} {model} {config} {par}: {time.time() - t:.0f} s", flush=True)
     if a.serve:
         for model in a.serve_models or a.models:
             best = best_builtin(load_results(out), "vllm", model)
@@ -653,13 +663,38 @@ def run(a) -> int:
 
 
 def load_results(out: Path) -> list[dict]:
-    res = []
+    """Every configuration's result in ``out``; a configuration run in several rounds (``--rounds``) is one
+    result whose decode and prefill tokens/s are the medians over its rounds (:func:`merge_rounds`)."""
+    res, rounds = [], {}
     for p in sorted(Path(out).glob("*.json")):
         try:
-            res.append(json.loads(p.read_text()))
+            r = json.loads(p.read_text())
         except json.JSONDecodeError:
-            pass
-    return res
+            continue
+        base, dot, rnd = p.stem.rpartition(".round")
+        if dot and rnd.isdigit():
+            rounds.setdefault(base, []).append(r)
+        else:
+            res.append((p.stem, r))
+    return [merge_rounds(r, rounds.get(stem, [])) for stem, r in res]
+
+
+def merge_rounds(first: dict, later: list[dict]) -> dict:
+    """``first`` with decode and prefill tokens/s replaced by their medians over ``first`` and the ``later``
+    rounds (each round's value kept in ``rounds_tok_s``); profiles and everything else from ``first``."""
+    later = [r for r in later if r.get("decode")]
+    if not later or not first.get("decode"):
+        return first
+    out = dict(first, rounds=1 + len(later), decode={})
+    for b, d in first["decode"].items():
+        vals = [d["tok_s"]] + [r["decode"][b]["tok_s"] for r in later if b in r["decode"]]
+        med = statistics.median(vals)
+        out["decode"][b] = dict(d, tok_s=round(med, 1), rounds_tok_s=vals, round0_tok_s=d["tok_s"],
+                                ms_per_step=round(1e3 * int(b) / med, 3) if med else d.get("ms_per_step"))
+    if first.get("prefill"):
+        vals = [first["prefill"]["tok_s"]] + [r["prefill"]["tok_s"] for r in later if r.get("prefill")]
+        out["prefill"] = dict(first["prefill"], tok_s=round(statistics.median(vals), 1), rounds_tok_s=vals)
+    return out
 
 
 def _decode(r: dict, b) -> float | None:
@@ -707,15 +742,26 @@ def checks(results: list[dict], engine: str, model: str) -> list[str]:
     drops = [(b0, b1) for b0, b1 in zip(batches, batches[1:]) if _decode(ours, b1) < 0.95 * _decode(ours, b0)]
     lines.append("tokens/s never falls by more than 5% to the next larger batch: "
                  + ("PASS" if not drops else "MISS at " + ", ".join(f"{x}->{y}" for x, y in drops)))
-    slow_first = [b for b in batches if ours["decode"][str(b)]["first_tok_s"] < 0.95 * ours["decode"][str(b)]["tok_s"]]
+    def second(d):         # the runs after the first of the same engine process (its first round's)
+        return d.get("round0_tok_s", d["tok_s"])
+
+    slow_first = [b for b in batches if ours["decode"][str(b)]["first_tok_s"] < 0.95 * second(ours["decode"][str(b)])]
+
     def first_ratios(b):   # the same first-run ratio of every configuration: what the engine itself costs
-        return ", ".join(f"{c} {d['first_tok_s'] / d['tok_s']:.2f}" for c, r in sorted(by.items())
-                         if (d := (r.get("decode") or {}).get(str(b))) and d["tok_s"])
+        return ", ".join(f"{c} {d['first_tok_s'] / second(d):.2f}" for c, r in sorted(by.items())
+                         if (d := (r.get("decode") or {}).get(str(b))) and second(d))
     lines.append("first run of each shape within 5% of the second: "
                  + ("PASS" if not slow_first else "MISS at batch " + "; ".join(
                      f"{b} (first / measured: {first_ratios(b)})" for b in slow_first)))
     if engine == "vllm":
         lines.append(f"start method: {ours.get('start_method', '?')}")
+    for c, r in sorted(by.items()):
+        if r.get("rounds", 1) > 1:
+            lines.append(f"{c}: the median of {r['rounds']} rounds (fresh engine processes); tokens/s per round: "
+                         + "; ".join(f"b={b} " + " / ".join(f"{v:.0f}" for v in d["rounds_tok_s"])
+                                     for b, d in sorted(r["decode"].items(), key=lambda kv: int(kv[0])))
+                         + ("; prefill " + " / ".join(f"{v:.0f}" for v in r["prefill"]["rounds_tok_s"])
+                            if (r.get("prefill") or {}).get("rounds_tok_s") else ""))
     return lines
 
 
@@ -926,6 +972,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, default=8321)
     r.add_argument("--timeout", type=float, default=1200, help="seconds per engine process")
     r.add_argument("--overwrite", action="store_true", help="rerun configurations whose JSON is already in --out")
+    r.add_argument("--rounds", type=_positive_int, default=1,
+                   help="run every configuration this many times, each in a fresh engine process, round after "
+                        "round; the report takes the median of the rounds (profiles: the first round only)")
     common(r)
     w = sub.add_parser("worker", help="(internal) one engine configuration")
     w.add_argument("--engine", required=True, choices=list(CONFIGS))

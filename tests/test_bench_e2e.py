@@ -284,3 +284,34 @@ def test_idle_gaps_name_what_the_host_did_meanwhile(tmp_path):
     assert line[0].startswith("GPU idle for 1 ms or more: 2 times over 2 steps, 6.0 ms in all, the longest 4.0 ms")
     assert "`nvfp4_layers::fused_moe` 3.0 ms" in line[0]
     assert E.idle_gap_line({"count": 0, "total_us": 0.0}, 2) == [] and E.idle_gap_line(None, 1) == []
+
+
+def test_rounds_run_each_configuration_again_and_report_the_median(tmp_path, monkeypatch):
+    """--rounds 3: every configuration three times, a round after the other, each in its own engine process,
+    profiled in the first round only; the report reads one result per configuration with the median of the
+    rounds (per-round values kept, first-run checks against the first round's own runs)."""
+    cmds = []
+    monkeypatch.setattr(E, "build_models", lambda d, models: {m: {"bf16": d / "b", "nvfp4": d / "q"} for m in models})
+    monkeypatch.setattr(E, "plugin_env", lambda: {})
+    monkeypatch.setattr(E, "report", lambda out: "")
+    monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: cmds.append(cmd))
+    E.main(["run", "--out", str(tmp_path), "--models", "moe", "--configs", "ours", "bf16", "--rounds", "3"])
+    outs = [c[c.index("--out") + 1].rsplit("/", 1)[1] for c in cmds]
+    assert outs == ["vllm-moe-ours.json", "vllm-moe-bf16.json", "vllm-moe-ours.round1.json",
+                    "vllm-moe-bf16.round1.json", "vllm-moe-ours.round2.json", "vllm-moe-bf16.round2.json"]
+    assert ["--profile-batches" in c for c in cmds] == [True, True, False, False, False, False]
+    with pytest.raises(SystemExit):
+        E.main(["run", "--out", str(tmp_path), "--rounds", "0"])
+    for i, (b1, pre) in enumerate([(500.0, 240.0), (650.0, 250.0), (600.0, 230.0)]):
+        r = _result("ours", {1: b1, 8: 3000.0 + i}, pre, model="moe", first={1: 480.0})
+        (tmp_path / f"vllm-moe-ours{'.round%d' % i if i else ''}.json").write_text(json.dumps(r))
+    (tmp_path / "vllm-moe-bf16.json").write_text(json.dumps(_result("bf16", {1: 700.0, 8: 2900.0}, 260.0, model="moe")))
+    res = {r["config"]: r for r in E.load_results(tmp_path)}
+    assert set(res) == {"ours", "bf16"} and res["ours"]["rounds"] == 3 and "rounds" not in res["bf16"]
+    d = res["ours"]["decode"]["1"]
+    assert d["tok_s"] == 600.0 and d["rounds_tok_s"] == [500.0, 650.0, 600.0] and d["round0_tok_s"] == 500.0
+    assert res["ours"]["prefill"]["tok_s"] == 240.0
+    lines = E.checks(list(res.values()), "vllm", "moe")
+    assert any(ln.startswith("first run of each shape within 5% of the second: PASS") for ln in lines)  # 480 vs 500
+    assert "ours: the median of 3 rounds (fresh engine processes); tokens/s per round: b=1 500 / 650 / 600; " \
+           "b=8 3000 / 3001 / 3002; prefill 240 / 250 / 230" in lines
