@@ -10,6 +10,8 @@
 #             $BENCH_QUANT_ARGS'), e.g. bench-quant@NVFP4_PLUGIN_QUANT_TILING=rows@nvfp4_masked_silu
 #   bench-quant / bench-triton / bench-gemm / bench-quantize   the benchmark scripts ($BENCH_QUANTIZE_ARGS, e.g.
 #             --methods mse gptq)
+#   bench-moe the fused-MoE layer by stage into $R/moe.md ($BENCH_MOE_ARGS, e.g. --sustained 16384, --trace 16384,
+#             --no-vllm without the vLLM bundle on PYTHONPATH)
 #   info      `nvfp4-plugin info`: the layer plan this GPU gets
 #   e2e       benchmarks/bench_e2e.py run into $R/e2e with $E2E_ARGS (e.g. --engines sglang --timeout 600), the
 #             engine bundle's site first on PYTHONPATH; sglang-jit: SGLang's Marlin JIT kernels (~6.5 min of nvcc,
@@ -69,6 +71,7 @@ for s in "$@"; do
     bench-quant) step bench-quant python3 benchmarks/bench_quant.py --out "$R" ${BENCH_QUANT_ARGS:-} ;;
     bench-triton) step bench-triton python3 benchmarks/bench_triton_quant.py --out "$R/triton_quant_h200.md" ;;
     bench-gemm) step bench-gemm python3 benchmarks/bench_gemm.py --out "$R" ${BENCH_GEMM_ARGS:-} ;;
+    bench-moe) step bench-moe python3 -m benchmarks.bench_moe --out "$R/moe.md" ${BENCH_MOE_ARGS:-} ;;
     tune-gemm)  # tunes into a copy of the package configs under $R (comes back in the tarball; later steps use it)
       mkdir -p "$R/configs"; cp nvfp4_plugin/gemm/configs/*.json "$R/configs/"
       export NVFP4_PLUGIN_GEMM_CONFIG_DIR="$R/configs"
