@@ -343,9 +343,9 @@ def _vllm_worker(a, result: dict) -> None:
     vocab = min(len(llm.get_tokenizer()), llm.llm_engine.model_config.get_vocab_size())
     prompts = Prompts(vocab)
 
-    def timed(n: int, length: int, gen: int) -> tuple[int, float]:
+    def timed(n: int, length: int, gen: int, ps=None) -> tuple[int, float]:
         sp = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=0.0, detokenize=False)
-        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(n, length)]
+        ps = ps or [TokensPrompt(prompt_token_ids=p) for p in prompts(n, length)]
         t = time.perf_counter()
         outs = llm.generate(ps, sp, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t
@@ -390,11 +390,13 @@ def _vllm_worker(a, result: dict) -> None:
     if a.prefill_shapes:
         n1, len1 = parse_shape(a.prefill_shapes[0])
         if n1 * len1 <= chunk:
-            runs = a.profile_delay + a.profile_steps
+            # every run's prompts built first: inside the window the host does only what the engine does
+            batches = [[TokensPrompt(prompt_token_ids=p) for p in prompts(n1, len1)]
+                       for _ in range(a.profile_delay + a.profile_steps)]
 
             def several(n_, length_, gen_):
-                for _ in range(runs):
-                    timed(n_, length_, gen_)
+                for ps in batches:
+                    timed(n_, length_, gen_, ps)
 
             profiled("prefill runs " + a.prefill_shapes[0], n1, len1, 1, run=several)
 
@@ -444,22 +446,24 @@ def run_sweep(result: dict, timed, a) -> None:
         sys.path.insert(0, str(ROOT))
     from benchmarks.common import GpuClockSampler
 
-    with GpuClockSampler() as clocks:     # prefill is power-bound: the clock it ran at is part of the result
+    # prefill is power-bound: the clock it ran at is part of the result (sampled over the prefill runs and the
+    # prefill-shape runs after them: a few seconds)
+    with GpuClockSampler() as clocks:
         runs = [timed(n, length, 1) for _ in range(1 + a.repeats)]
-    rates = [n * length / dt for _, dt in runs]
-    result["prefill"] = {"first_tok_s": round(rates[0], 1), "tok_s": round(statistics.median(rates[1:]), 1),
-                         "runs_tok_s": [round(r, 1) for r in rates[1:]], "prompts": n, "prompt_len": length,
-                         "clocks": clocks.summary}
-    print(f"[{a.engine} {a.model} {a.config}] prefill: {result['prefill']}", flush=True)
-    # the same at other shapes: ms per run against engine steps per run separates a per-step cost from a
-    # per-run one (one full chunk of max_num_batched_tokens, several, a partial one)
-    result["prefill_shapes"] = {}
-    for shape in a.prefill_shapes:
-        n, length = parse_shape(shape)
-        runs = [timed(n, length, 1)[1] for _ in range(1 + a.repeats)]
-        ms = 1e3 * statistics.median(runs[1:])
-        result["prefill_shapes"][shape] = {"ms_per_run": round(ms, 2), "first_ms": round(1e3 * runs[0], 2),
-                                           "tok_s": round(n * length / ms * 1e3, 1)}
+        rates = [n * length / dt for _, dt in runs]
+        result["prefill"] = {"first_tok_s": round(rates[0], 1), "tok_s": round(statistics.median(rates[1:]), 1),
+                             "runs_tok_s": [round(r, 1) for r in rates[1:]], "prompts": n, "prompt_len": length}
+        print(f"[{a.engine} {a.model} {a.config}] prefill: {result['prefill']}", flush=True)
+        # the same at other shapes: ms per run against engine steps per run separates a per-step cost from a
+        # per-run one (one full chunk of max_num_batched_tokens, several, a partial one)
+        result["prefill_shapes"] = {}
+        for shape in a.prefill_shapes:
+            n, length = parse_shape(shape)
+            runs = [timed(n, length, 1)[1] for _ in range(1 + a.repeats)]
+            ms = 1e3 * statistics.median(runs[1:])
+            result["prefill_shapes"][shape] = {"ms_per_run": round(ms, 2), "first_ms": round(1e3 * runs[0], 2),
+                                               "tok_s": round(n * length / ms * 1e3, 1)}
+    result["prefill"]["clocks"] = clocks.summary
     if result["prefill_shapes"]:
         print(f"[{a.engine} {a.model} {a.config}] prefill shapes: {result['prefill_shapes']}", flush=True)
 
@@ -629,6 +633,9 @@ def run(a) -> int:
         if res_path.exists() and not a.overwrite:
             print(f"=== {res_path.name}: already there", flush=True)
             continue
+        if rnd == 0:     # a new first round: later rounds of an earlier run are not this run's
+            for stale in out.glob(f"{engine}-{model}-{config}{suffix}.round*.json"):
+                stale.unlink()
         kind = CONFIGS[engine][config][0]
         cmd = [sys.executable, "-m", "benchmarks.bench_e2e", "worker", "--engine", engine, "--model", model,
                "--config", config, "--model-path", str(paths[model][kind]), "--out", str(res_path),
@@ -673,10 +680,10 @@ def load_results(out: Path) -> list[dict]:
             continue
         base, dot, rnd = p.stem.rpartition(".round")
         if dot and rnd.isdigit():
-            rounds.setdefault(base, []).append(r)
+            rounds.setdefault(base, []).append((int(rnd), r))
         else:
             res.append((p.stem, r))
-    return [merge_rounds(r, rounds.get(stem, [])) for stem, r in res]
+    return [merge_rounds(r, [x for _, x in sorted(rounds.get(stem, []), key=lambda kv: kv[0])]) for stem, r in res]
 
 
 def merge_rounds(first: dict, later: list[dict]) -> dict:
@@ -809,15 +816,18 @@ def prefill_shape_summary(rows: list[dict]) -> list[str]:
 
 def clock_table(rows: list[dict]) -> list[str]:
     """The GPU's SM clock and power over each configuration's prefill runs (where sampled)."""
-    have = [r for r in rows if (r.get("prefill") or {}).get("clocks", {}).get("samples")]
+    have = [r for r in rows if (r.get("prefill") or {}).get("clocks")]
     if not have:
         return []
-    md = ["GPU clock and power over the prefill runs (nvidia-smi every 100 ms; an H200 at its power cap runs "
-          "below its 1980 MHz boost):", "",
+    md = ["GPU clock and power over the prefill and prefill-shape runs (nvidia-smi every 100 ms, the first round; "
+          "an H200 at its power cap runs below its 1980 MHz boost):", "",
           "| config | prefill tok/s | SM MHz median | SM MHz min | power W median | samples at the power cap |",
           "|---|---:|---:|---:|---:|---:|"]
     for r in have:
         c = r["prefill"]["clocks"]
+        if not c.get("samples"):
+            md.append(f"| {r['config']} | {r['prefill']['tok_s']} | no samples: {c.get('error', 'none read')} | | | |")
+            continue
         md.append(f"| {r['config']} | {r['prefill']['tok_s']} | {c['sm_mhz_median']:.0f} | {c['sm_mhz_min']:.0f} | "
                   f"{c['power_w_median']} | {c['power_capped_share']:.0%} |")
     return md + [""]

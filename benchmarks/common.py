@@ -190,7 +190,7 @@ SMI_QUERY = ("clocks.sm", "power.draw", "clocks_throttle_reasons.active")
 POWER_CAP_BIT = 0x4
 
 
-def smi_command(gpu: int, period_ms: int = 100) -> list[str]:
+def smi_command(gpu: int | str, period_ms: int = 100) -> list[str]:
     return ["nvidia-smi", f"--query-gpu={','.join(SMI_QUERY)}", "--format=csv,noheader,nounits",
             f"-lms={period_ms}", f"--id={gpu}"]
 
@@ -222,17 +222,16 @@ class GpuClockSampler:
     sustained tensor-core load an H200 runs at its power cap (~1.5 GHz instead of 1.98 GHz boost): two
     configurations can differ in tokens/s by their clocks, not only by their work."""
 
-    def __init__(self, gpu: int | None = None, command: list[str] | None = None):
-        if gpu is None:
-            vis = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
-            gpu = int(vis) if vis.isdigit() else 0
+    def __init__(self, gpu: int | str | None = None, command: list[str] | None = None):
+        if gpu is None:       # the first visible GPU: an index or a UUID, as nvidia-smi --id takes either
+            gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
         self.command = command or smi_command(gpu)
         self.summary: dict = {}
         self._proc = None
 
     def __enter__(self):
         try:
-            self._proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self._proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         except OSError as exc:
             self.summary = {"error": f"{type(exc).__name__}: {exc}"}
         return self
@@ -241,9 +240,12 @@ class GpuClockSampler:
         if self._proc is not None:
             self._proc.terminate()
             try:
-                out, _ = self._proc.communicate(timeout=5)
+                out, err = self._proc.communicate(timeout=5)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
-                out, _ = self._proc.communicate()
+                out, err = self._proc.communicate()
             self.summary = clock_summary(out.splitlines())
+            if not self.summary["samples"]:   # e.g. a field this driver does not know, or no such GPU
+                why = (err or out).strip().splitlines()
+                self.summary["error"] = why[-1][:200] if why else f"nvidia-smi exited with {self._proc.returncode}"
         return False

@@ -258,11 +258,19 @@ def test_gpu_clock_sampler_summarises_nvidia_smi_lines():
     with GpuClockSampler(command=["/nonexistent/nvidia-smi"]) as c:
         pass
     assert "error" in c.summary
+    bad = [sys.executable, "-c", "import sys; sys.stderr.write('Field \"x\" is not a valid field to query.\\n'); "
+                                 "sys.exit(2)"]
+    with GpuClockSampler(command=bad) as c:
+        time.sleep(0.5)
+    assert c.summary == {"samples": 0, "error": 'Field "x" is not a valid field to query.'}
+    assert GpuClockSampler(gpu="GPU-1234").command[-1] == "--id=GPU-1234"
     rows = [_result("bf16", {1: 1.0}, 100.0), _result("ours", {1: 1.0}, 90.0)]
     rows[1]["prefill"]["clocks"] = s
     md = E.clock_table(rows)
     assert md[4:5] == ["| ours | 90.0 | 1485 | 1170 | 690.0 | 67% |"] and len(md) == 6
     assert E.clock_table(rows[:1]) == []
+    rows[0]["prefill"]["clocks"] = c.summary
+    assert E.clock_table(rows)[4] == '| bf16 | 100.0 | no samples: Field "x" is not a valid field to query. | | | |'
 
 
 def test_idle_gaps_name_what_the_host_did_meanwhile(tmp_path):
@@ -315,3 +323,11 @@ def test_rounds_run_each_configuration_again_and_report_the_median(tmp_path, mon
     assert any(ln.startswith("first run of each shape within 5% of the second: PASS") for ln in lines)  # 480 vs 500
     assert "ours: the median of 3 rounds (fresh engine processes); tokens/s per round: b=1 500 / 650 / 600; " \
            "b=8 3000 / 3001 / 3002; prefill 240 / 250 / 230" in lines
+    # rounds merge in their numeric order; a first round run again removes the later rounds of the earlier run
+    for i in range(3, 11):
+        (tmp_path / f"vllm-moe-ours.round{i}.json").write_text(json.dumps(_result("ours", {1: float(i)}, 1.0)))
+    assert [v for v in E.load_results(tmp_path) if v["config"] == "ours"][0]["decode"]["1"]["rounds_tok_s"] == \
+        [500.0, 650.0, 600.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
+    cmds.clear()
+    E.main(["run", "--out", str(tmp_path), "--models", "moe", "--configs", "ours", "--overwrite"])
+    assert len(cmds) == 1 and not list(tmp_path.glob("vllm-moe-ours.round*.json"))

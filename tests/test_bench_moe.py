@@ -38,14 +38,17 @@ def test_trace_summary_splits_kernel_time_idle_gaps_and_host_syncs():
     """The profile reading of --trace: kernel µs per layer call by name, the GPU's idle time between kernels
     (the gaps, largest first, with their neighbours) and the CUDA runtime calls that can hold the host."""
     ev = [_Ev("route", "CUDA", 0, 10), _Ev("gemm", "CUDA", 40, 140), _Ev("gemm", "CUDA", 140, 240),
+          _Ev("copy", "CUDA", 100, 120),                              # overlaps the first gemm: no gap after it
           _Ev("combine", "CUDA", 245, 265), _Ev("cudaLaunchKernel", "CPU", 0, 5),
-          _Ev("cudaStreamSynchronize", "CPU", 5, 35), _Ev("cudaMalloc", "CPU", 36, 38)]
+          _Ev("cudaStreamSynchronize", "CPU", 5, 35), _Ev("cudaMalloc", "CPU", 36, 38),
+          _Ev("cudaEventSynchronize", "CPU", 50, 60), _Ev("cudaEventSynchronize", "CPU", 270, 300)]
     s = M.trace_summary(ev, wall_us=600.0, calls=2)
-    assert s["per_kernel"] == {"route": 5.0, "gemm": 100.0, "combine": 10.0}
-    assert s["kernel_us"] == 115.0 and s["wall_us"] == 300.0
+    assert s["per_kernel"] == {"route": 5.0, "gemm": 100.0, "copy": 10.0, "combine": 10.0}
+    assert s["kernel_us"] == 125.0 and s["wall_us"] == 300.0
     assert s["idle_us"] == 17.5                                   # (30 + 5) / 2 calls
-    assert s["top_gaps"][0] == (30, "route", "gemm") and len(s["top_gaps"]) == 2
-    assert s["runtime"] == {"cudaStreamSynchronize": (1, 30), "cudaMalloc": (1, 2)}
+    assert s["top_gaps"] == [(30, "route", "gemm"), (5, "gemm", "combine")]
+    # the harness's final wait (the last cudaEventSynchronize) is left out, an earlier one is not
+    assert s["runtime"] == {"cudaStreamSynchronize": (1, 30), "cudaMalloc": (1, 2), "cudaEventSynchronize": (1, 10)}
 
 
 def test_trace_and_sustained_take_a_real_shape_on_a_gpu(capsys):
