@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_gemm as BG  # noqa: E402
-from benchmarks.common import time_calls, time_sustained, wall_us_per_call  # noqa: E402
+from benchmarks.common import time_calls, time_sustained, wall_us_per_call, warm_up  # noqa: E402
 from nvfp4_plugin.gemm import moe_routing, w4_fused_moe, w4_grouped  # noqa: E402
 from nvfp4_plugin.gemm.select import GluonConfig, select_config  # noqa: E402
 from nvfp4_plugin.gemm.moe_glue import moe_combine, silu_and_mul  # noqa: E402
@@ -63,6 +63,21 @@ def _routings(tokens: int, e: int, top_k: int, n: int, device) -> list[tuple[tor
     return out
 
 
+def _weights(model: dict, device) -> tuple:
+    """Random packed w13 ``[E, 2I, H]`` and w2 ``[E, H, I]`` of ``model`` (the same seeds in every study)."""
+    e, h, inter = model["E"], model["H"], model["I"]
+    return (BG.random_packed((e,), 2 * inter, h, device=device, seed=1),
+            BG.random_packed((e,), h, inter, device=device, seed=2))
+
+
+def _rotating(layer, x, w13, w2, routs):
+    """``fn(i)``: ``layer(x, w13, w2, weights, ids)`` on routing ``i`` of ``routs`` (round robin)."""
+    def fn(i):
+        ids, w = routs[i % len(routs)]
+        return layer(x, w13, w2, w, ids)
+    return fn
+
+
 def _vllm_bf16():
     """vLLM's bf16 ``fused_experts`` (the Triton ``fused_moe_kernel`` path), or the reason it is missing."""
     try:
@@ -73,10 +88,9 @@ def _vllm_bf16():
 
 
 def measure(model: dict, tokens_list, device, with_vllm: bool = True) -> tuple[list[dict], str | None]:
-    e, top_k, h, inter = model["E"], model["top_k"], model["H"], model["I"]
+    e, top_k, h = model["E"], model["top_k"], model["H"]
     cuda = device == "cuda"
-    p13 = BG.random_packed((e,), 2 * inter, h, device=device, seed=1)
-    p2 = BG.random_packed((e,), h, inter, device=device, seed=2)
+    p13, p2 = _weights(model, device)
     peer, reason = _vllm_bf16() if (with_vllm and cuda) else (None, "not run (no GPU)" if not cuda else "off")
     w13_16 = BG.bf16_weights(p13) if peer else None
     w2_16 = BG.bf16_weights(p2) if peer else None
@@ -106,12 +120,9 @@ def measure(model: dict, tokens_list, device, with_vllm: bool = True) -> tuple[l
         }
         for name, calls in stage_calls.items():
             row[f"{name}_us"] = time_calls(calls) * 1e6
-        row["ours_eager_us"] = wall_us_per_call(lambda i: w4_fused_moe(x, p13, p2, routs[i % len(routs)][1],
-                                                                routs[i % len(routs)][0]), 20 if cuda else 1, cuda)
+        row["ours_eager_us"] = wall_us_per_call(_rotating(w4_fused_moe, x, p13, p2, routs), 20 if cuda else 1, cuda)
         if peer is not None:
-            def bf16(i):
-                ids, w = routs[i % len(routs)]
-                return peer(x, w13_16, w2_16, w, ids)
+            bf16 = _rotating(peer, x, w13_16, w2_16, routs)
             try:
                 row["vllm_bf16_us"] = time_calls([lambda i=i: bf16(i) for i in range(len(routs))]) * 1e6
                 row["vllm_bf16_eager_us"] = wall_us_per_call(bf16, 20, cuda)
@@ -125,8 +136,9 @@ def measure(model: dict, tokens_list, device, with_vllm: bool = True) -> tuple[l
 
 
 TRACE_CALLS = 5
+#: CUDA runtime calls that can hold the host (the harness ends each profiled stretch with one
+#: cudaEventSynchronize of its own, which trace_summary leaves out)
 RUNTIME_SYNCS = ("Synchronize", "Malloc", "Free", "Memcpy", "Memset", "EventQuery", "HostAlloc")
-#: (the harness ends each profiled stretch with one cudaEventSynchronize, which trace_summary leaves out)
 
 
 def _profile(fn, calls: int, graph: bool):
@@ -134,11 +146,7 @@ def _profile(fn, calls: int, graph: bool):
     from torch.profiler import ProfilerActivity, profile
     g = None
     if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn(0)
-        torch.cuda.current_stream().wait_stream(side)
+        warm_up([lambda: fn(0)])
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for i in range(calls):
@@ -191,16 +199,14 @@ def trace_summary(events, wall_us: float, calls: int) -> dict:
 
 
 def trace(model: dict, tokens: int, with_vllm: bool) -> str:
-    e, top_k, h, inter = model["E"], model["top_k"], model["H"], model["I"]
-    p13 = BG.random_packed((e,), 2 * inter, h, device="cuda", seed=1)
-    p2 = BG.random_packed((e,), h, inter, device="cuda", seed=2)
+    e, top_k, h = model["E"], model["top_k"], model["H"]
+    p13, p2 = _weights(model, "cuda")
     x = (torch.randn(tokens, h, device="cuda") * 0.5).to(torch.bfloat16)
     routs = _routings(tokens, e, top_k, max(2, BG.rotations(tokens)), "cuda")
-    fns = {"ours": lambda i: w4_fused_moe(x, p13, p2, routs[i % len(routs)][1], routs[i % len(routs)][0])}
+    fns = {"ours": _rotating(w4_fused_moe, x, p13, p2, routs)}
     peer, _ = _vllm_bf16() if with_vllm else (None, None)
     if peer is not None:
-        w13_16, w2_16 = BG.bf16_weights(p13), BG.bf16_weights(p2)
-        fns["vLLM bf16"] = lambda i: peer(x, w13_16, w2_16, routs[i % len(routs)][1], routs[i % len(routs)][0])
+        fns["vLLM bf16"] = _rotating(peer, x, BG.bf16_weights(p13), BG.bf16_weights(p2), routs)
     md = [f"Trace of {tokens} tokens, {TRACE_CALLS} calls (µs per call):", ""]
     for name, fn in fns.items():
         res = {mode: trace_summary(*_profile(fn, TRACE_CALLS, mode == "graph"), TRACE_CALLS)
@@ -230,8 +236,7 @@ SUSTAINED_CONFIGS = {"bn64 bm128": GluonConfig(bn=64, bm=128, bk=64, num_warps=4
 
 def sustained(model: dict, tokens: int, with_vllm: bool) -> str:
     e, top_k, h, inter = model["E"], model["top_k"], model["H"], model["I"]
-    p13 = BG.random_packed((e,), 2 * inter, h, device="cuda", seed=1)
-    p2 = BG.random_packed((e,), h, inter, device="cuda", seed=2)
+    p13, p2 = _weights(model, "cuda")
     x = (torch.randn(tokens, h, device="cuda") * 0.5).to(torch.bfloat16)
     (ids, w), = _routings(tokens, e, top_k, 1, "cuda")
     rt = moe_routing(ids, e)

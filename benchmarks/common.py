@@ -70,7 +70,7 @@ def time_calls(calls: list, *, fill_ms: float = 0.0, min_ms: float = 30.0, max_c
     Without a GPU: the median wall clock of the calls (CPU smoke runs)."""
     if not torch.cuda.is_available():
         return statistics.median(_wall_time(c, 1) for c in calls)
-    _warm_up(calls)
+    warm_up(calls)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     n = len(calls)
     if fill_ms > 0:
@@ -92,7 +92,7 @@ def time_calls(calls: list, *, fill_ms: float = 0.0, min_ms: float = 30.0, max_c
     return ms / 1e3 / (reps * n)
 
 
-def _warm_up(calls) -> None:
+def warm_up(calls) -> None:
     """Each call once on a side stream (compilation, autotuning, lazy allocations) before a graph capture."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -137,7 +137,7 @@ def time_sustained(fn, *, warm_s: float = 1.5, meas_s: float = 1.5, per_graph: i
     seconds (the GPU reaches its steady clock: under heavy tensor-core load an H200 sits at its power cap,
     ~1.5 GHz, instead of its 1.98 GHz boost), then for ``meas_s`` seconds timed; ``burst``: about 30 ms of
     replays of the rested GPU after three untimed ones (its clock up from idle), what :func:`time_calls` sees."""
-    _warm_up([fn])
+    warm_up([fn])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(per_graph):
