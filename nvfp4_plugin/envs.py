@@ -48,6 +48,7 @@ FLASHINFER_W4A16_BACKEND = "NVFP4_PLUGIN_FLASHINFER_W4A16_BACKEND"
 LOG_LEVEL = "NVFP4_PLUGIN_LOG_LEVEL"
 GEMM_CONFIG_DIR = "NVFP4_PLUGIN_GEMM_CONFIG_DIR"
 GEMM_COMPILE_ONLY = "NVFP4_PLUGIN_GEMM_COMPILE_ONLY"
+FAST_LAUNCH = "NVFP4_PLUGIN_FAST_LAUNCH"
 TRITON_INTERPRET = "TRITON_INTERPRET"
 DISABLE_MMA_V3 = "DISABLE_MMA_V3"
 
@@ -87,6 +88,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "it (or without a GPU) its configs run on the Triton kernel. Read once, when nvfp4_plugin.gemm is "
            "imported; `nvfp4-plugin info --capability`, python -m nvfp4_plugin.gemm.inspect_sass and the "
            "compile workers of layers.deploy set it (if unset) before that"),
+    EnvVar(FAST_LAUNCH, "0, or anything else", "a kernel launched again with the same specialization skips "
+           "Triton's per-call argument binding (nvfp4_plugin.triton.fast_launch)", "plugin",
+           "0: every launch of the hot-path Triton and Gluon kernels goes through Triton's kernel[grid](...) "
+           "(A/B runs, debugging); read at every launch"),
     EnvVar(TRITON_INTERPRET, "1, or unset", "compiled kernels", "triton",
            "Triton's: 1 runs Triton kernels in its CPU interpreter (how the CPU tests run them). Triton reads "
            "it when kernels are defined; the package reads it once, when nvfp4_plugin.gemm is imported, and "
@@ -159,6 +164,11 @@ def gemm_config_dir() -> str | None:
 def gemm_compile_only() -> bool:
     """``NVFP4_PLUGIN_GEMM_COMPILE_ONLY=1``."""
     return _read(GEMM_COMPILE_ONLY) == "1"
+
+
+def fast_launch() -> bool:
+    """``NVFP4_PLUGIN_FAST_LAUNCH`` is not ``0``."""
+    return _read(FAST_LAUNCH) != "0"
 
 
 def triton_interpret() -> bool:

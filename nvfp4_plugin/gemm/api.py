@@ -19,6 +19,7 @@ import torch
 from .. import envs
 from .. import numerics as nx
 from .._checks import check_choice, check_shape, check_tensor
+from ..triton.fast_launch import fast
 from . import triton_w4 as tk
 from .layout import PackedW4Weight
 from . import moe_glue
@@ -129,7 +130,7 @@ def _launch(kind_mode: int, x, w: PackedW4Weight, y, cfg: W4Config, m: int, grid
     d = _dummy(x.device)
     k = lay.k
     with _mma_v2_env(cfg):
-        tk.w4_gemm_kernel[grid](
+        fast(tk.w4_gemm_kernel)[grid](
             x, w.words, w.scales, w.alpha, bias if bias is not None else d, y,
             aux if aux is not None else d, gather if gather is not None else d,
             scatter if scatter is not None else d, row_scale if row_scale is not None else d,
@@ -156,7 +157,7 @@ def _fp4_act_decode(q: torch.Tensor, s: torch.Tensor, rows: int, k: int, dtype, 
     kb = k // nx.NVFP4_BLOCK_SIZE
     br, bkb = 16, 8
     grid = (triton_cdiv(rows, br), triton_cdiv(kb, bkb))
-    tk.fp4_act_decode_kernel[grid](
+    fast(tk.fp4_act_decode_kernel)[grid](
         q, s.view(torch.uint8), srow if srow is not None else _dummy(q.device), out, rows, k, q.stride(0),
         s.stride(-2) if not swizzled else 0, out.stride(0), nx.ceil_div(kb, 4),
         SWIZZLED=int(swizzled), HAS_SROW=int(srow is not None), BR=br, BKB=bkb, num_warps=4)
@@ -184,7 +185,7 @@ def w4_dequantize(weight: PackedW4Weight, *, apply_alpha: bool = False, act_scal
     out = torch.empty((num_e, lay.n, lay.k), dtype=dtype or lay.act_dtype, device=weight.device)
     bn, bk = 64, 128
     grid = (triton_cdiv(lay.n, bn), triton_cdiv(lay.k, bk), num_e)
-    tk.w4_dequant_kernel[grid](weight.words, weight.scales, out, weight.alpha,
+    fast(tk.w4_dequant_kernel)[grid](weight.words, weight.scales, out, weight.alpha,
                                act_scale if act_scale is not None else _dummy(weight.device), lay.n, lay.k,
                                weight.words.stride(0), weight.words.stride(1), weight.scales.stride(0),
                                weight.scales.stride(1), out.stride(0), out.stride(1), weight.alpha.stride(0),

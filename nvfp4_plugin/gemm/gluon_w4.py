@@ -22,6 +22,8 @@ the last whole wave) writes fp32 partials that :func:`w4_splitk_reduce_kernel` a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..triton.fast_launch import fast
 from . import triton_w4 as tk
 from .triton_w4 import _PTX2_BF16, _PTX2_FP16
 
@@ -305,9 +308,14 @@ def splits(k_pad: int, bk: int, split_k: int) -> int:
     return -(-steps // per)
 
 
+@functools.lru_cache(maxsize=None)
+def _x_layout(bm: int, bk: int, dtype: torch.dtype):
+    # built once per tile shape: get_default_for runs Gluon's constexpr functions (~50 µs a call)
+    return gl.NVMMASharedLayout.get_default_for([bm, bk], _GL_DTYPES[dtype])
+
+
 def _x_desc(x2: torch.Tensor, bm: int, bk: int) -> TensorDescriptor:
-    layout = gl.NVMMASharedLayout.get_default_for([bm, bk], _GL_DTYPES[x2.dtype])
-    return TensorDescriptor.from_tensor(x2, [bm, bk], layout)
+    return TensorDescriptor.from_tensor(x2, [bm, bk], _x_layout(bm, bk, x2.dtype))
 
 
 def _bk(lay, cfg) -> int:
@@ -354,7 +362,7 @@ def launch_dense(x2: torch.Tensor, w, y: torch.Tensor, cfg, dummy: torch.Tensor,
     d = dummy
     ws = torch.empty((sk, m, lay.n - n0), dtype=torch.float32, device=x2.device) if sk > 1 else d
     b = bias if bias is not None else d
-    w4_wgmma_kernel[(dp + (tiles - dp) * sk,)](
+    fast(w4_wgmma_kernel)[(dp + (tiles - dp) * sk,)](
         _x_desc(x2, bm, bk), w.words, w.scales, w.alpha, b, y, ws, act_scale if act_scale is not None else d, d, d, d,
         m, lay.n, lay.k_pad, 0, w.words.stride(1), 0, w.scales.stride(1), 0, y.stride(0), sk, 1, dp,
         MODE=0, BN=bn, BM=bm, BK=bk, STAGES=cfg.num_stages, DT=0 if x2.dtype == torch.bfloat16 else 1,
@@ -362,7 +370,7 @@ def launch_dense(x2: torch.Tensor, w, y: torch.Tensor, cfg, dummy: torch.Tensor,
         HAS_SCATTER=0, HAS_ROWSCALE=0, PF=cfg.prefetch, num_warps=bn // 16)
     if sk > 1:
         block = 1024
-        w4_splitk_reduce_kernel[(-(-(lay.n - n0) // block), m)](ws, b, y, m, lay.n, n0, y.stride(0), sk,
+        fast(w4_splitk_reduce_kernel)[(-(-(lay.n - n0) // block), m)](ws, b, y, m, lay.n, n0, y.stride(0), sk,
                                                                 HAS_BIAS=int(bias is not None), BLOCK=block)
 
 
@@ -375,7 +383,7 @@ def launch_grouped(mode: int, x2: torch.Tensor, w, y2: torch.Tensor, cfg, aux: t
     bm, bn, bk = cfg.bm, cfg.bn, _bk(lay, cfg)
     d = dummy
     num_e = w.words.shape[0]
-    w4_wgmma_kernel[(-(-lay.n // bn), num_e * m_split)](
+    fast(w4_wgmma_kernel)[(-(-lay.n // bn), num_e * m_split)](
         _x_desc(x2, bm, bk), w.words, w.scales, w.alpha, d, y2, d, act_scale if act_scale is not None else d, aux,
         scatter if scatter is not None else d, row_scale if row_scale is not None else d,
         m, lay.n, lay.k_pad, w.words.stride(0), w.words.stride(1), w.scales.stride(0), w.scales.stride(1),

@@ -23,6 +23,7 @@ import triton.language as tl
 from .. import numerics as nx
 from .._checks import check_shape, check_tensor
 from ..triton import _runtime as rt
+from ..triton.fast_launch import fast
 from ..triton._jit_numerics import bits_f32, load_f32, store_f32
 
 #: Routed pairs up to which one program sorts them (decode steps up to 32 tokens at top-8: one launch); beyond,
@@ -174,15 +175,16 @@ def moe_routing(topk_ids: torch.Tensor, num_experts: int) -> dict[str, torch.Ten
     bins = triton.next_power_of_2(num_experts + 1)
     if rows <= ROUTE_KERNEL_MAX_ROWS:
         cursor = torch.empty(bins, dtype=torch.int32, device=dev)
-        _route_kernel[(1,)](flat, offsets, gather, scatter, cursor, rows, top_k, num_experts,
+        fast(_route_kernel)[(1,)](flat, offsets, gather, scatter, cursor, rows, top_k, num_experts,
                             E_BINS=bins, CH=ROUTE_CHUNK, num_warps=4)
     else:
         blk = ROUTE_BLOCK_SMALL if route_class(rows) == 1 else ROUTE_BLOCK
         nb = triton.cdiv(rows, blk)
         cursor = torch.empty((nb, bins), dtype=torch.int32, device=dev)
-        _route_hist_kernel[(nb,)](flat, cursor, rows, num_experts, E_BINS=bins, BLK=blk, CH=ROUTE_CHUNK, num_warps=4)
-        _route_scan_kernel[(1,)](cursor, offsets, nb, num_experts, E_BINS=bins, num_warps=4)
-        _route_block_place_kernel[(nb,)](flat, gather, scatter, cursor, rows, top_k, num_experts, E_BINS=bins,
+        fast(_route_hist_kernel)[(nb,)](flat, cursor, rows, num_experts, E_BINS=bins, BLK=blk, CH=ROUTE_CHUNK,
+                                        num_warps=4)
+        fast(_route_scan_kernel)[(1,)](cursor, offsets, nb, num_experts, E_BINS=bins, num_warps=4)
+        fast(_route_block_place_kernel)[(nb,)](flat, gather, scatter, cursor, rows, top_k, num_experts, E_BINS=bins,
                                          BLK=blk, CH=ROUTE_CHUNK, num_warps=4)
     return {"expert_offsets": offsets, "gather_idx": gather, "scatter_idx": scatter}
 
@@ -250,7 +252,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     bi = min(triton.next_power_of_2(i), 256)
     br = max(1, 4096 // bi)
     grid = (triton.cdiv(r, br), triton.cdiv(i, bi))
-    _silu_mul_kernel[grid](rt.as_kernel_tensor(x), rt.as_kernel_tensor(out), r, i, x.stride(0), out.stride(0),
+    fast(_silu_mul_kernel)[grid](rt.as_kernel_tensor(x), rt.as_kernel_tensor(out), r, i, x.stride(0), out.stride(0),
                            BR=br, BI=bi, num_warps=4, **rt.LAUNCH_OPTIONS)
     return out
 
@@ -301,7 +303,7 @@ def moe_combine(y: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     bh = min(triton.next_power_of_2(h), 512)
     bt = max(1, 2048 // bh)
     grid = (triton.cdiv(t, bt), triton.cdiv(h, bh))
-    _combine_kernel[grid](rt.as_kernel_tensor(y), topk_weights, topk_ids, rt.as_kernel_tensor(out), t, h, num_experts,
-                          *topk_weights.stride(), *topk_ids.stride(), out.stride(0), TOP_K=top_k, BT=bt, BH=bh,
-                          num_warps=4, **rt.LAUNCH_OPTIONS)
+    fast(_combine_kernel)[grid](rt.as_kernel_tensor(y), topk_weights, topk_ids, rt.as_kernel_tensor(out), t, h,
+                                num_experts, *topk_weights.stride(), *topk_ids.stride(), out.stride(0), TOP_K=top_k,
+                                BT=bt, BH=bh, num_warps=4, **rt.LAUNCH_OPTIONS)
     return out

@@ -1,0 +1,164 @@
+"""Launching a compiled Triton (or Gluon) kernel again without Triton's per-call argument binding.
+
+``kernel[grid](*args)`` costs 30-60 µs of host time in ``JITFunction.run`` (the generated binder, the
+cache key, the global-value check, the launch metadata) before the launcher itself runs. Eager engine
+steps (a prefill of thousands of tokens runs outside CUDA graphs) launch ~10 of our kernels per layer,
+and vLLM's prefill profile had the host keeping pace with the GPU: the GPU idled between steps while
+the host caught up (issue 37). :class:`FastLaunch` keys each launch on what Triton specializes a
+kernel on and, from the second launch of a key on, calls the compiled kernel's launcher directly.
+
+The key is never coarser than Triton's specialization, so a cached kernel is only reused where
+Triton would pick the same one: per tensor its dtype and whether its address is 16-byte aligned; per
+int whether it is 1, divisible by 16, and which integer type holds it; bools, constexprs, options
+(``num_warps``...) and everything else by value; Gluon tensor descriptors by element type, block
+shape, layout, padding and the divisibility of their shape and strides; plus the current device.
+Launch hooks (a Triton profiler), the CPU interpreter, a process without a CUDA device and Triton
+versions other than 3.6 take Triton's own path; so does every launch when ``NVFP4_PLUGIN_FAST_LAUNCH=0``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .. import envs
+from ._runtime import interpreting
+
+#: the launcher call below is Triton 3.6's (CompiledKernel.run(grid x3, stream, function, packed metadata,
+#: launch metadata, enter hook, exit hook, *every parameter)); other versions take Triton's path
+_VERSION_OK = tuple(int(p) for p in triton.__version__.split(".")[:2]) == (3, 6)
+
+_I32 = 1 << 31
+_U64 = 1 << 63
+
+
+def _int_key(v: int):
+    return (v == 1, v % 16 == 0, -_I32 <= v < _I32, v >= _U64)
+
+
+def _desc_key(d):
+    dims = tuple((s == 1, s % 16 == 0) for s in (*d.shape, *d.strides))
+    return ("desc", d.base.dtype, d.base.data_ptr() % 16 == 0, tuple(d.block_shape), d.layout, d.padding, dims)
+
+
+_HAS_CUDA: list = []
+
+
+def _cuda() -> bool:
+    """A CUDA device in this process (read once: without one, e.g. when compiling for sm_90a on a CPU machine,
+    every launch is Triton's)."""
+    if not _HAS_CUDA:
+        _HAS_CUDA.append(torch.cuda.is_available())
+    return _HAS_CUDA[0]
+
+
+def _hooked(hook) -> bool:
+    """A launch hook is set: Triton's HookChain with a hook in it, or (older Triton) any callable."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def arg_key(v):
+    """One argument's share of the launch key (see the module docstring)."""
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, v.data_ptr() % 16 == 0)
+    if isinstance(v, bool):
+        return ("b", v)
+    if isinstance(v, int):
+        return _int_key(v)
+    if isinstance(v, float):
+        return "f"
+    if v is None:
+        return None
+    if hasattr(v, "block_shape") and hasattr(v, "base"):
+        return _desc_key(v)
+    return ("v", type(v), v)
+
+
+class FastLaunch:
+    """``FastLaunch(kernel)[grid](*args, **kwargs)``: the same launch as ``kernel[grid](...)``.
+
+    Arguments are those of the kernel (positional or by name; parameters left out take their
+    defaults) plus Triton's launch options (``num_warps``, ``num_stages``, compiler options)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.cache: dict = {}
+        self._sig = None
+
+    def _signature(self):
+        # read on the first direct launch: the interpreter's functions have no params / constexprs
+        if self._sig is None:
+            fn = self.fn
+            names = list(fn.arg_names)
+            self._sig = (names, {n: i for i, n in enumerate(names)}, frozenset(fn.constexprs),
+                         {i: p.default for i, p in enumerate(fn.params) if p.has_default})
+        return self._sig
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def _bind(self, args, kwargs) -> tuple[list, dict]:
+        names, index, _, defaults = self._signature()
+        vals = list(args)
+        n = len(names)
+        if len(vals) < n:
+            vals.extend([_MISSING] * (n - len(vals)))
+        opts = {}
+        for k, v in kwargs.items():
+            i = index.get(k)
+            if i is None:
+                opts[k] = v
+            else:
+                vals[i] = v
+        for i in range(len(args), n):
+            if vals[i] is _MISSING:
+                if i not in defaults:
+                    raise TypeError(f"{getattr(self.fn, '__name__', self.fn)}: missing argument {names[i]!r}")
+                vals[i] = defaults[i]
+        return vals, opts
+
+    def launch(self, grid, args, kwargs):
+        from triton import knobs
+
+        if not _VERSION_OK or not _cuda() or not envs.fast_launch() or _hooked(knobs.runtime.launch_enter_hook) \
+                or _hooked(knobs.runtime.launch_exit_hook) or interpreting():
+            return self.fn[grid](*args, **kwargs)
+        vals, opts = self._bind(args, kwargs)
+        const = self._sig[2]
+        device = torch.cuda.current_device()
+        key = (device, tuple(v if i in const else arg_key(v) for i, v in enumerate(vals)),
+               tuple(sorted(opts.items())))
+        try:
+            ck = self.cache.get(key)
+        except TypeError:            # an unhashable argument: Triton's own path
+            return self.fn[grid](*args, **kwargs)
+        if ck is None:
+            ck = self.fn[grid](*args, **kwargs)
+            if hasattr(ck, "result"):
+                ck = ck.result()
+            # the interpreter returns no compiled kernel: nothing to launch directly
+            if ck is not None and hasattr(ck, "packed_metadata"):
+                self.cache[key] = ck
+            return ck
+        if callable(grid):
+            grid = grid(dict(zip(self._sig[0], vals)))
+        g0 = grid[0]
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        ck.run(g0, g1, g2, stream, ck.function, ck.packed_metadata, None, None, None, *vals)
+        return ck
+
+
+_MISSING = object()
+
+
+_WRAPPERS: dict = {}
+
+
+def fast(fn) -> FastLaunch:
+    """The process's :class:`FastLaunch` of ``fn``: ``fast(kernel)[grid](...)`` in place of ``kernel[grid](...)``."""
+    w = _WRAPPERS.get(fn)
+    if w is None:
+        w = _WRAPPERS[fn] = FastLaunch(fn)
+    return w
