@@ -13,6 +13,9 @@ a few microseconds, so that host path decides the step time. Per layer shape and
 * ``eager µs``: wall time per call of back-to-back calls (``--reps`` of them, one sync at the end);
   equal to the GPU time when the GPU is the bottleneck, above it when the host is;
 * ``GPU µs``: device time per call in a CUDA graph (no host path), the :func:`common.time_calls` timer;
+* ``host µs``: the host's time per call with the GPU kept busy by a spin kernel queued first
+  (:func:`common.host_us_per_call`), with the plugin's direct launches of compiled kernels and with every
+  launch through Triton's ``kernel[grid]`` (``NVFP4_PLUGIN_FAST_LAUNCH=0``);
 * for ours also ``op µs`` / ``apply µs``: the host time of the ``nvfp4_layers::linear`` op and of the
   backend's ``apply`` alone with every kernel launch of the GEMM package stubbed out (pure Python and
   dispatch cost; what ``eager`` minus launches is made of).
@@ -33,11 +36,13 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import time_calls, wall_us_per_call  # noqa: E402
+from benchmarks.common import launch_paths_us, time_calls, wall_us_per_call  # noqa: E402
 
-#: (name, N, K): SmolLM2-135M's projections (q/k/v fused, o, gate/up fused, down) and two Llama-3-8B ones
+#: (name, N, K): SmolLM2-135M's projections (q/k/v fused, o, gate/up fused, down), two Llama-3-8B ones and
+#: Qwen3-30B-A3B's attention projections (the dense layers of the MoE model)
 SHAPES = (("smollm2 qkv", 960, 576), ("smollm2 o", 576, 576), ("smollm2 gate_up", 3072, 576),
-          ("smollm2 down", 576, 1536), ("llama8b qkv", 6144, 4096), ("llama8b down", 4096, 14336))
+          ("smollm2 down", 576, 1536), ("llama8b qkv", 6144, 4096), ("llama8b down", 4096, 14336),
+          ("qwen3moe qkv", 5120, 2048), ("qwen3moe o", 2048, 4096))
 DEFAULT_M = (1, 64, 512, 2048)
 
 
@@ -78,6 +83,8 @@ def measure(shapes, ms, reps: int) -> list[dict]:
                    "eager_us": _host_us(lambda: layer(x), reps, cuda)}
             if cuda:
                 row["gpu_us"] = time_calls([lambda: layer(x)]) * 1e6
+                # few enough calls that their launches never fill the GPU's queue behind the spin kernel
+                row["host_us"], row["host_triton_us"] = launch_paths_us(lambda i: layer(x), min(reps, 50), cuda)
                 with _no_gemm_launches():
                     row["op_us"] = _host_us(lambda: layer(x), reps, False)
                     row["apply_us"] = _host_us(lambda: layer.backend.apply(layer.tensors, layer.meta, x), reps, False)
@@ -98,13 +105,15 @@ def table(rows: list[dict]) -> str:
     def f(v):
         return "-" if v is None else f"{v:.1f}"
 
-    md = ["| shape | N x K | M | backend | eager µs | GPU µs | op µs (no launches) | apply µs (no launches) | "
-          "Marlin eager µs | Marlin GPU µs | eager ours / Marlin |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    md = ["| shape | N x K | M | backend | eager µs | GPU µs | host µs | host µs, Triton launches | "
+          "op µs (no launches) | apply µs (no launches) | Marlin eager µs | Marlin GPU µs | eager ours / Marlin |",
+          "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         me = r.get("marlin_eager_us")
         ratio = f"{r['eager_us'] / me:.2f}x" if me else r.get("marlin", "-")
         md.append(f"| {r['shape']} | {r['n']} x {r['k']} | {r['m']} | {r['backend']} | {f(r['eager_us'])} | "
-                  f"{f(r.get('gpu_us'))} | {f(r.get('op_us'))} | {f(r.get('apply_us'))} | {f(me)} | "
+                  f"{f(r.get('gpu_us'))} | {f(r.get('host_us'))} | {f(r.get('host_triton_us'))} | "
+                  f"{f(r.get('op_us'))} | {f(r.get('apply_us'))} | {f(me)} | "
                   f"{f(r.get('marlin_gpu_us'))} | {ratio} |")
     return "\n".join(md)
 

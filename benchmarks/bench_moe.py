@@ -15,7 +15,11 @@ top-k routing for both:
   way (``up`` includes the copy of the routed rows into expert order that the Gluon kernel's TMA
   loads need);
 * ``eager µs``: wall time per call of back-to-back eager calls (one sync at the end): above the device
-  time when the host path is the bottleneck.
+  time when the host path is the bottleneck;
+* ``host µs``: the host's time per call alone, the GPU kept busy by a spin kernel queued first
+  (:func:`common.host_us_per_call`), with the plugin's direct launches of compiled kernels and with every
+  launch through Triton's ``kernel[grid]`` (``NVFP4_PLUGIN_FAST_LAUNCH=0``); vLLM runs prefill steps
+  eagerly, and where this exceeds the device time the GPU waits for the host.
 
 ``--trace T`` records ``T`` tokens under the torch profiler instead, eager calls and one CUDA graph of the
 same calls: device µs per kernel in each, the GPU's idle time between kernels of the eager calls, and
@@ -43,7 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_gemm as BG  # noqa: E402
-from benchmarks.common import time_calls, time_sustained, wall_us_per_call, warm_up  # noqa: E402
+from benchmarks.common import launch_paths_us, time_calls, time_sustained, wall_us_per_call, warm_up  # noqa: E402
 from nvfp4_plugin.gemm import moe_routing, w4_fused_moe, w4_grouped  # noqa: E402
 from nvfp4_plugin.gemm.select import GluonConfig, select_config  # noqa: E402
 from nvfp4_plugin.gemm.moe_glue import moe_combine, silu_and_mul  # noqa: E402
@@ -121,6 +125,8 @@ def measure(model: dict, tokens_list, device, with_vllm: bool = True) -> tuple[l
         for name, calls in stage_calls.items():
             row[f"{name}_us"] = time_calls(calls) * 1e6
         row["ours_eager_us"] = wall_us_per_call(_rotating(w4_fused_moe, x, p13, p2, routs), 20 if cuda else 1, cuda)
+        row["ours_host_us"], row["ours_host_triton_us"] = launch_paths_us(
+            _rotating(w4_fused_moe, x, p13, p2, routs), 30 if cuda else 1, cuda, rounds=5 if cuda else 1)
         if peer is not None:
             bf16 = _rotating(peer, x, w13_16, w2_16, routs)
             try:
@@ -281,14 +287,16 @@ def table(rows: list[dict], model_name: str, model: dict, reason: str | None) ->
 
     md = [f"Fused MoE layer, {model_name} (E={model['E']}, top-{model['top_k']}, H={model['H']}, I={model['I']}), "
           "w4a16, µs per call:", "",
-          "| tokens | ours | vLLM bf16 | bf16 / ours | " + " | ".join(STAGES) + " | ours eager | vLLM bf16 eager |",
-          "|---:|---:|---:|---:|" + "---:|" * len(STAGES) + "---:|---:|"]
+          "| tokens | ours | vLLM bf16 | bf16 / ours | " + " | ".join(STAGES) + " | ours eager | vLLM bf16 eager | "
+          "ours host | ours host, Triton launches |",
+          "|---:|---:|---:|---:|" + "---:|" * len(STAGES) + "---:|---:|---:|---:|"]
     for r in rows:
         sp = r.get("speedup")
         md.append(f"| {r['tokens']} | {f(r['ours_us'])} | {f(r.get('vllm_bf16_us'))} | "
                   f"{'-' if sp is None else f'{sp:.2f}x'} | "
                   + " | ".join(f(r.get(f"{s}_us")) for s in STAGES)
-                  + f" | {f(r.get('ours_eager_us'))} | {f(r.get('vllm_bf16_eager_us'))} |")
+                  + f" | {f(r.get('ours_eager_us'))} | {f(r.get('vllm_bf16_eager_us'))} | {f(r.get('ours_host_us'))} | "
+                  f"{f(r.get('ours_host_triton_us'))} |")
     if reason:
         md += ["", f"vLLM bf16: {reason}"]
     return "\n".join(md) + "\n"

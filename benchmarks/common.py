@@ -132,6 +132,51 @@ def wall_us_per_call(fn, calls: int, cuda: bool) -> float:
     return statistics.median(runs)
 
 
+#: spin cycles queued ahead of a host-time loop: ~0.2 s on an H200, longer than the loops' launches
+HOST_SPIN_CYCLES = 400_000_000
+
+
+def host_us_per_call(fn, calls: int, cuda: bool) -> float:
+    """Host µs per call of ``fn(0) .. fn(calls - 1)`` while a spin kernel queued first keeps the GPU busy: the
+    launch path alone (Python, dispatch, kernel launches), never waiting for the GPU; the median of three
+    loops after one warm-up call. Without a GPU: plain wall time per call."""
+    fn(0)
+    runs = []
+    for _ in range(3):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(HOST_SPIN_CYCLES)
+        t = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        runs.append((time.perf_counter() - t) / calls * 1e6)
+        if cuda:
+            torch.cuda.synchronize()
+    return statistics.median(runs)
+
+
+def launch_paths_us(fn, calls: int, cuda: bool, rounds: int = 5) -> tuple[float, float]:
+    """``(direct, triton)``: :func:`host_us_per_call` with the plugin's direct launches of compiled kernels
+    (``NVFP4_PLUGIN_FAST_LAUNCH`` unset, the default) and with every launch through Triton's ``kernel[grid]``
+    (``=0``) in the same process, alternated ``rounds`` times (the host's speed drifts by tens of µs between
+    loops); the median of each."""
+    import os
+
+    saved = os.environ.pop("NVFP4_PLUGIN_FAST_LAUNCH", None)
+    direct, triton_path = [], []
+    try:
+        for _ in range(rounds):
+            os.environ.pop("NVFP4_PLUGIN_FAST_LAUNCH", None)
+            direct.append(host_us_per_call(fn, calls, cuda))
+            os.environ["NVFP4_PLUGIN_FAST_LAUNCH"] = "0"
+            triton_path.append(host_us_per_call(fn, calls, cuda))
+    finally:
+        os.environ.pop("NVFP4_PLUGIN_FAST_LAUNCH", None)
+        if saved is not None:
+            os.environ["NVFP4_PLUGIN_FAST_LAUNCH"] = saved
+    return statistics.median(direct), statistics.median(triton_path)
+
+
 def time_sustained(fn, *, warm_s: float = 1.5, meas_s: float = 1.5, per_graph: int = 5) -> tuple[float, float]:
     """``(sustained, burst)`` µs per call of ``fn()``: a CUDA graph of ``per_graph`` calls replayed for ``warm_s``
     seconds (the GPU reaches its steady clock: under heavy tensor-core load an H200 sits at its power cap,
