@@ -71,8 +71,8 @@ def test_second_launch_of_a_key_is_direct_with_the_arguments_in_kernel_order(gpu
     fl[(4, 2)](x, 32, 1.5, BLOCK=128)
     fl[(4, 2)](x, 32, 2.5, BLOCK=128)
     assert [e[0] for e in k.log] == ["triton", "direct"]
-    # every parameter in order, the constexpr default filled in; the grid padded to 3-D
-    assert k.log[1][1] == (4, 2, 1) and k.log[1][2] == (x, 32, 2.5, 128, 0)
+    # every parameter in order (a tensor as its address), the constexpr default filled in; the grid padded to 3-D
+    assert k.log[1][1] == (4, 2, 1) and k.log[1][2] == (x.data_ptr(), 32, 2.5, 128, 0)
     assert k.compiled == 1
 
 

@@ -5,7 +5,8 @@ cache key, the global-value check, the launch metadata) before the launcher itse
 steps (a prefill of thousands of tokens runs outside CUDA graphs) launch ~10 of our kernels per layer,
 and vLLM's prefill profile had the host keeping pace with the GPU: the GPU idled between steps while
 the host caught up (issue 37). :class:`FastLaunch` keys each launch on what Triton specializes a
-kernel on and, from the second launch of a key on, calls the compiled kernel's launcher directly.
+kernel on and, from the second launch of a key on, calls the compiled kernel's launcher directly, with
+tensors passed as their device addresses (the launcher then skips its per-pointer driver query).
 
 The key is never coarser than Triton's specialization, so a cached kernel is only reused where
 Triton would pick the same one: per tensor its dtype and whether its address is 16-byte aligned; per
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from triton import knobs
 
 from .. import envs
 from ._runtime import interpreting
@@ -32,8 +34,10 @@ _I32 = 1 << 31
 _U64 = 1 << 63
 
 
-def _int_key(v: int):
-    return (v == 1, v % 16 == 0, -_I32 <= v < _I32, v >= _U64)
+def _int_code(v: int) -> int:
+    """Triton's specialization of an int argument as one small code: == 1, divisible by 16, beyond int32,
+    beyond int64 (unsigned)."""
+    return (v == 1) * 2 + (v % 16 == 0) + (not -_I32 <= v < _I32) * 4 + (v >= _U64) * 8
 
 
 def _desc_key(d):
@@ -64,7 +68,7 @@ def arg_key(v):
     if isinstance(v, bool):
         return ("b", v)
     if isinstance(v, int):
-        return _int_key(v)
+        return _int_code(v)
     if isinstance(v, float):
         return "f"
     if v is None:
@@ -90,7 +94,8 @@ class FastLaunch:
         if self._sig is None:
             fn = self.fn
             names = list(fn.arg_names)
-            self._sig = (names, {n: i for i, n in enumerate(names)}, frozenset(fn.constexprs),
+            const = frozenset(fn.constexprs)
+            self._sig = (names, {n: i for i, n in enumerate(names)}, tuple(i in const for i in range(len(names))),
                          {i: p.default for i, p in enumerate(fn.params) if p.has_default})
         return self._sig
 
@@ -118,16 +123,31 @@ class FastLaunch:
         return vals, opts
 
     def launch(self, grid, args, kwargs):
-        from triton import knobs
-
         if not _VERSION_OK or not _cuda() or not envs.fast_launch() or _hooked(knobs.runtime.launch_enter_hook) \
                 or _hooked(knobs.runtime.launch_exit_hook) or interpreting():
             return self.fn[grid](*args, **kwargs)
         vals, opts = self._bind(args, kwargs)
         const = self._sig[2]
         device = torch.cuda.current_device()
-        key = (device, tuple(v if i in const else arg_key(v) for i, v in enumerate(vals)),
-               tuple(sorted(opts.items())))
+        parts, launch_args = [], []
+        tensor = torch.Tensor
+        for v, c in zip(vals, const):
+            t = type(v)
+            if c:
+                parts.append(v)
+            elif t is int:
+                # _int_code, inline (this loop runs for every argument of every launch)
+                parts.append((v == 1) * 2 + (v % 16 == 0) + (not -_I32 <= v < _I32) * 4 + (v >= _U64) * 8)
+            elif t is tensor or isinstance(v, tensor):
+                # the launcher takes a pointer as an int as it is; from a tensor it calls data_ptr() and asks
+                # the driver to translate the address (cuPointerGetAttribute), ~1 µs per pointer argument
+                ptr = v.data_ptr()
+                parts.append((v.dtype, ptr % 16 == 0))
+                v = ptr
+            else:
+                parts.append(arg_key(v))
+            launch_args.append(v)
+        key = (device, tuple(parts), tuple(opts.items()) if opts else ())
         try:
             ck = self.cache.get(key)
         except TypeError:            # an unhashable argument: Triton's own path
@@ -146,7 +166,7 @@ class FastLaunch:
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         stream = torch._C._cuda_getCurrentRawStream(device)
-        ck.run(g0, g1, g2, stream, ck.function, ck.packed_metadata, None, None, None, *vals)
+        ck.run(g0, g1, g2, stream, ck.function, ck.packed_metadata, None, None, None, *launch_args)
         return ck
 
 
