@@ -17,6 +17,8 @@ started as a user starts it (``vllm.LLM`` with vLLM's default start method, ``sg
     vllm:   bf16 | marlin (built-in modelopt_fp4, default backend) | humming (the same, Humming
             kernels) | ours (--quantization nvfp4)
     sglang: bf16 | builtin (modelopt_fp4) | ours
+    both, only when named in --configs: ours-triton-launch (ours with NVFP4_PLUGIN_FAST_LAUNCH=0: every
+            kernel launch through Triton's launch path, the A/B of the plugin's direct launches)
 
 Each measures decode throughput at every batch size of ``--batches`` (``--prompt-len`` prompt tokens,
 ``--gen-len`` generated tokens with ``ignore_eos``; output tokens per second of wall time, prefill
@@ -70,7 +72,22 @@ CONFIGS = {
         "ours": ("nvfp4", "nvfp4", {}),
     },
 }
+#: A/B configurations, run only when named in --configs: ours with environment variables set in its process
+CONFIG_ENV = {"ours-triton-launch": {"NVFP4_PLUGIN_FAST_LAUNCH": "0"}}
+for _engine in CONFIGS.values():
+    _engine.update({name: _engine["ours"] for name in CONFIG_ENV})
 BUILTIN = {"vllm": ("marlin", "humming"), "sglang": ("builtin",)}
+
+
+def default_configs(engine: str) -> list[str]:
+    """The configurations a run without --configs measures: all but the A/B ones."""
+    return [c for c in CONFIGS[engine] if c not in CONFIG_ENV]
+
+
+def config_env(env: dict, config: str) -> dict:
+    """The environment of a configuration's engine process."""
+    extra = CONFIG_ENV.get(config)
+    return {**env, **extra} if extra else env
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 #: further prefill shapes (prompts x tokens): one chunk of 16384 tokens, half of one, four; ms per run of each
 PREFILL_SHAPES = ("16x1024", "8x1024", "64x1024")
@@ -564,7 +581,8 @@ def serve_bench(a, engine: str, model: str, config: str, model_path: Path, env: 
     res = {"engine": engine, "model": model, "config": config, "cmd": cmd, "concurrency": {}}
     log = open(Path(a.out) / f"serve-{engine}-{model}-{config}.log", "w")
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=config_env(env, config),
+                            start_new_session=True)
     try:
         while not healthy(a.port):
             if proc.poll() is not None or time.time() - t0 > a.timeout:
@@ -619,11 +637,11 @@ def run(a) -> int:
     env = plugin_env()
     par = parallel_tag(a.tp, a.ep)
     suffix = "" if par == "tp1" else f"-{par}"
-    if "sglang" in a.engines and "builtin" in (a.configs or CONFIGS["sglang"]):
+    if "sglang" in a.engines and "builtin" in (a.configs or default_configs("sglang")):
         prebuild_sglang_jit()
     for rnd, engine, model, config in ((rnd, engine, model, config) for rnd in range(a.rounds)
                                        for engine in a.engines for model in a.models
-                                       for config in a.configs or CONFIGS[engine]):
+                                       for config in a.configs or default_configs(engine)):
         if config not in CONFIGS[engine]:
             continue
         # rounds after the first: the same configurations again, each in a fresh engine process, after
@@ -650,7 +668,7 @@ def run(a) -> int:
         t = time.time()
         with open(out / f"{engine}-{model}-{config}{tag}.log", "w") as log:
             try:
-                subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                subprocess.run(cmd, cwd=ROOT, env=config_env(env, config), stdout=log, stderr=subprocess.STDOUT,
                                timeout=a.timeout)
             except subprocess.TimeoutExpired:
                 res_path.write_text(json.dumps({"engine": engine, "model": model, "config": config,

@@ -239,6 +239,25 @@ def test_run_hands_the_parallelism_to_each_worker(tmp_path, monkeypatch):
 
 
 
+def test_a_b_configuration_runs_only_when_named_and_with_its_environment(tmp_path, monkeypatch):
+    """``ours-triton-launch``: ours with NVFP4_PLUGIN_FAST_LAUNCH=0 in its engine process (the served effect
+    of the direct kernel launches, in one run); a run without --configs leaves it out."""
+    runs = []
+    monkeypatch.setattr(E, "build_models", lambda d, models: {m: {"bf16": d / "b", "nvfp4": d / "q"} for m in models})
+    monkeypatch.setattr(E, "plugin_env", lambda: {"PATH": "/bin"})
+    monkeypatch.setattr(E, "report", lambda out: "")
+    monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: runs.append((cmd[cmd.index("--config") + 1],
+                                                                           kw["env"])))
+    E.main(["run", "--out", str(tmp_path / "a"), "--models", "moe"])
+    assert [c for c, _ in runs] == ["bf16", "marlin", "humming", "ours"]
+    assert all("NVFP4_PLUGIN_FAST_LAUNCH" not in env for _, env in runs)
+    runs.clear()
+    E.main(["run", "--out", str(tmp_path / "b"), "--models", "moe", "--configs", "ours", "ours-triton-launch"])
+    assert runs == [("ours", {"PATH": "/bin"}),
+                    ("ours-triton-launch", {"PATH": "/bin", "NVFP4_PLUGIN_FAST_LAUNCH": "0"})]
+    assert E.CONFIGS["sglang"]["ours-triton-launch"] == E.CONFIGS["sglang"]["ours"]
+
+
 def test_gpu_clock_sampler_summarises_nvidia_smi_lines():
     import sys
 
