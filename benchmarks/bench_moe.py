@@ -26,6 +26,9 @@ same calls: device µs per kernel in each, the GPU's idle time between kernels o
 the CUDA runtime calls that held the host longest (a sync, an allocation, a copy) -- where eager time
 beyond the device time goes.
 
+``--host-profile T`` shows where the host's time of an eager call of ``T`` tokens goes: host µs with and
+without the direct kernel launches and a cProfile of the calls (top functions by own and cumulative time).
+
 ``--sustained T`` times ``T`` tokens after seconds of load instead, when the GPU runs at its power cap:
 the layer (ours, vLLM's bf16) and the two grouped GEMMs under the selected config and a few other Gluon
 tiles, beside ``torch._grouped_mm`` on the same weights in bf16; burst (about 30 ms of replays on a rested
@@ -47,7 +50,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_gemm as BG  # noqa: E402
-from benchmarks.common import launch_paths_us, time_calls, time_sustained, wall_us_per_call, warm_up  # noqa: E402
+from benchmarks.common import (HOST_SPIN_CYCLES, launch_paths_us, time_calls, time_sustained,  # noqa: E402
+                               wall_us_per_call, warm_up)
 from nvfp4_plugin.gemm import moe_routing, w4_fused_moe, w4_grouped  # noqa: E402
 from nvfp4_plugin.gemm.select import GluonConfig, select_config  # noqa: E402
 from nvfp4_plugin.gemm.moe_glue import moe_combine, silu_and_mul  # noqa: E402
@@ -281,6 +285,42 @@ def sustained(model: dict, tokens: int, with_vllm: bool) -> str:
     return "\n".join(md) + "\n"
 
 
+def host_profile(model: dict, tokens: int, device, calls: int = 30, top: int = 25) -> str:
+    """Where the host's time per eager layer call goes: host µs per call with direct kernel launches and
+    through Triton's launch path, then cProfile over ``calls`` calls (the GPU kept busy by a spin kernel
+    queued first, so no call waits for it), the ``top`` functions by own time and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    cuda = device == "cuda"
+    p13, p2 = _weights(model, device)
+    x = (torch.randn(tokens, model["H"], device=device) * 0.5).to(torch.bfloat16)
+    routs = _routings(tokens, model["E"], model["top_k"], 1, device)
+    fn = _rotating(w4_fused_moe, x, p13, p2, routs)
+    direct, triton_path = launch_paths_us(fn, calls, cuda, rounds=5 if cuda else 1)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(HOST_SPIN_CYCLES)
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(calls):
+        fn(i)
+    prof.disable()
+    if cuda:
+        torch.cuda.synchronize()
+    md = [f"Host time per eager layer call at {tokens} tokens: {direct:.1f} µs with direct kernel launches, "
+          f"{triton_path:.1f} µs through Triton's launch path (medians of five alternations, {calls} calls each).", ""]
+    for key, title in (("tottime", "own time"), ("cumulative", "cumulative time")):
+        buf = io.StringIO()
+        stats = pstats.Stats(prof, stream=buf)
+        stats.sort_stats(key).print_stats(top)
+        text = buf.getvalue().replace(str(Path(__file__).resolve().parents[1]) + "/", "")
+        md += [f"cProfile, {calls} calls, top {top} by {title} (cProfile slows Python about twofold):", "",
+               "```", text.strip(), "```", ""]
+    return "\n".join(md)
+
+
 def table(rows: list[dict], model_name: str, model: dict, reason: str | None) -> str:
     def f(v):
         return "-" if v is None else f"{v:.1f}"
@@ -312,6 +352,8 @@ def main(argv=None) -> int:
                     help="profile TOKENS tokens (eager and CUDA graph) instead of the table; GPU only")
     ap.add_argument("--sustained", type=int, metavar="TOKENS",
                     help="time TOKENS tokens after seconds of load (power-capped clocks) instead; GPU only")
+    ap.add_argument("--host-profile", type=int, metavar="TOKENS",
+                    help="host time per eager call of TOKENS tokens and a cProfile of it, instead of the table")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shape, no peer (the GPU if there is one, else the CPU interpreter): checks the script")
     a = ap.parse_args(argv)
@@ -328,6 +370,13 @@ def main(argv=None) -> int:
     if a.smoke and (a.trace or a.sustained):
         print("bench_moe: --trace and --sustained time a real shape on a GPU; not with --smoke")
         return 2
+    if a.host_profile:
+        text = host_profile(model, a.host_profile if not a.smoke else min(a.host_profile, 8), device,
+                            calls=30 if cuda else 2)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(text)
+        print(text)
+        return 0
     if a.trace or a.sustained:
         text = (trace(model, a.trace, with_vllm=not a.no_vllm) if a.trace
                 else sustained(model, a.sustained, with_vllm=not a.no_vllm))

@@ -70,3 +70,15 @@ def test_gpu_trace_names_our_kernels_and_sustained_timer(tmp_path):
     a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
     sus, burst = time_sustained(lambda: a @ a, warm_s=0.2, meas_s=0.2)
     assert 0 < burst and 0.3 * burst < sus < 5 * burst, (sus, burst)
+
+
+def test_host_profile_names_our_functions(tmp_path):
+    """--host-profile: host µs per call both ways and the cProfile tables, which name our own code."""
+    out = tmp_path / "host.md"
+    assert M.main(["--out", str(out), "--smoke", "--host-profile", "4"]) == 0
+    text = out.read_text()
+    assert text.startswith("Host time per eager layer call at 4 tokens: ")
+    assert "with direct kernel launches" in text and "through Triton's launch path" in text
+    assert text.count("```") == 4 and "benchmarks/bench_moe.py" in text    # the calls themselves, cumulative
+    if torch.cuda.is_available():     # on the CPU the interpreter's frames fill the tables
+        assert "w4_fused_moe" in text and "moe_routing" in text
