@@ -77,7 +77,7 @@ def test_second_launch_of_a_key_is_direct_with_the_arguments_in_kernel_order(gpu
 
 
 @pytest.mark.parametrize("change", ["alignment", "dtype", "int_one", "int_div16", "int_width", "constexpr",
-                                    "option", "device"])
+                                    "constexpr_type", "option", "device"])
 def test_anything_triton_specializes_on_takes_triton_s_path_again(gpu_free, monkeypatch, change):
     k = _Kernel()
     fl = F.FastLaunch(k)
@@ -95,6 +95,8 @@ def test_anything_triton_specializes_on_takes_triton_s_path_again(gpu_free, monk
         n = 1 << 32 + 4                                  # i64 instead of i32, still divisible by 16
     elif change == "constexpr":
         block = 64
+    elif change == "constexpr_type":
+        block = 128.0                                    # Triton keys constexprs by their text: another kernel
     elif change == "option":
         opts = {"num_warps": 8}
     elif change == "device":
@@ -113,7 +115,7 @@ def test_values_triton_does_not_specialize_on_share_the_kernel(gpu_free):
     assert [e[0] for e in k.log] == ["triton", "direct"]
 
 
-@pytest.mark.parametrize("why", ["env", "interpreter", "hook", "no_cuda"])
+@pytest.mark.parametrize("why", ["env", "interpreter", "hook", "no_cuda", "debug", "instrumentation", "tuple"])
 def test_triton_s_path_when_turned_off_interpreted_or_hooked(gpu_free, monkeypatch, why):
     from triton import knobs
 
@@ -125,12 +127,16 @@ def test_triton_s_path_when_turned_off_interpreted_or_hooked(gpu_free, monkeypat
         monkeypatch.setattr(F, "interpreting", lambda: True)
     elif why == "no_cuda":
         monkeypatch.setattr(F, "_cuda", lambda: False)
+    elif why == "debug":
+        monkeypatch.setattr(knobs.runtime, "debug", True)
+    elif why == "instrumentation":
+        monkeypatch.setattr(knobs.compilation, "instrumentation_mode", "consan")
     else:
         chain = knobs.HookChain()
         chain.add(lambda *a: None)
         monkeypatch.setattr(knobs.runtime, "launch_enter_hook", chain)
     for _ in range(3):
-        fl[(1,)](_x(), 32, 1.0, BLOCK=128)
+        fl[(1,)](_x(), (1, 2) if why == "tuple" else 32, 1.0, BLOCK=128)
     assert [e[0] for e in k.log] == ["triton"] * 3
 
 
@@ -144,6 +150,15 @@ def test_missing_argument_is_named(gpu_free):
 def test_fast_returns_one_wrapper_per_kernel():
     a, b = _Kernel(), _Kernel()
     assert F.fast(a) is F.fast(a) and F.fast(a) is not F.fast(b)
+
+
+def test_arg_key_of_a_plain_triton_descriptor_and_of_cpu_tensors():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    d = TensorDescriptor.from_tensor(torch.zeros(64, 64), [16, 16])
+    assert F.arg_key(d)[0] == "desc" and F.arg_key(d)[4] is None    # no layout on Triton's own descriptor
+    assert F.arg_key(_x())[2] is False                               # a CPU tensor never shares a CUDA key
+    assert F.arg_key(1 << 64) != F.arg_key(1 << 63)
 
 
 def test_arg_key_tells_apart_what_triton_does():

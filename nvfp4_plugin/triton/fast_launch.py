@@ -36,13 +36,15 @@ _U64 = 1 << 63
 
 def _int_code(v: int) -> int:
     """Triton's specialization of an int argument as one small code: == 1, divisible by 16, beyond int32,
-    beyond int64 (unsigned)."""
-    return (v == 1) * 2 + (v % 16 == 0) + (not -_I32 <= v < _I32) * 4 + (v >= _U64) * 8
+    beyond int64 (unsigned), beyond uint64 (Triton refuses it; its own key keeps it apart)."""
+    return (v == 1) * 2 + (v % 16 == 0) + (not -_I32 <= v < _I32) * 4 + (v >= _U64) * 8 + (v >= _U64 * 2) * 16
 
 
 def _desc_key(d):
     dims = tuple((s == 1, s % 16 == 0) for s in (*d.shape, *d.strides))
-    return ("desc", d.base.dtype, d.base.data_ptr() % 16 == 0, tuple(d.block_shape), d.layout, d.padding, dims)
+    # a plain Triton TensorDescriptor has no layout (Gluon's does)
+    return ("desc", d.base.dtype, d.base.data_ptr() % 16 == 0, tuple(d.block_shape), getattr(d, "layout", None),
+            d.padding, dims)
 
 
 _HAS_CUDA: list = []
@@ -64,7 +66,7 @@ def _hooked(hook) -> bool:
 def arg_key(v):
     """One argument's share of the launch key (see the module docstring)."""
     if isinstance(v, torch.Tensor):
-        return (v.dtype, v.data_ptr() % 16 == 0)
+        return (v.dtype, v.data_ptr() % 16 == 0, v.is_cuda)
     if isinstance(v, bool):
         return ("b", v)
     if isinstance(v, int):
@@ -75,6 +77,8 @@ def arg_key(v):
         return None
     if hasattr(v, "block_shape") and hasattr(v, "base"):
         return _desc_key(v)
+    if isinstance(v, (tuple, list)):
+        raise TypeError("a tuple argument: Triton's own path")     # its elements may be tensors (keyed by id)
     return ("v", type(v), v)
 
 
@@ -124,7 +128,10 @@ class FastLaunch:
 
     def launch(self, grid, args, kwargs):
         if not _VERSION_OK or not _cuda() or not envs.fast_launch() or _hooked(knobs.runtime.launch_enter_hook) \
-                or _hooked(knobs.runtime.launch_exit_hook) or interpreting():
+                or _hooked(knobs.runtime.launch_exit_hook) or interpreting() or knobs.runtime.debug \
+                or knobs.compilation.instrumentation_mode:
+            # (Triton adds debug and the instrumentation mode, both settable at run time, to every launch's
+            # options and so to its cache key: a launch with either set goes through Triton)
             return self.fn[grid](*args, **kwargs)
         vals, opts = self._bind(args, kwargs)
         const = self._sig[2]
@@ -134,20 +141,25 @@ class FastLaunch:
         for v, c in zip(vals, const):
             t = type(v)
             if c:
-                parts.append(v)
+                # Triton keys a constexpr by its text: True, 1 and 1.0 are three kernels
+                parts.append(v if t is int else (t, repr(v)))
             elif t is int:
                 # _int_code, inline (this loop runs for every argument of every launch)
-                parts.append((v == 1) * 2 + (v % 16 == 0) + (not -_I32 <= v < _I32) * 4 + (v >= _U64) * 8)
+                parts.append((v == 1) * 2 + (v % 16 == 0) + (not -_I32 <= v < _I32) * 4 + (v >= _U64) * 8
+                             + (v >= _U64 * 2) * 16)
             elif t is tensor or isinstance(v, tensor):
                 # the launcher takes a pointer as an int as it is; from a tensor it calls data_ptr() and asks
                 # the driver to translate the address (cuPointerGetAttribute), ~1 µs per pointer argument
                 ptr = v.data_ptr()
-                parts.append((v.dtype, ptr % 16 == 0))
+                parts.append((v.dtype, ptr % 16 == 0, v.is_cuda))     # a CPU tensor: Triton's path refuses it
                 v = ptr
             else:
-                parts.append(arg_key(v))
+                try:
+                    parts.append(arg_key(v))
+                except TypeError:    # a tuple argument: Triton's own path
+                    return self.fn[grid](*args, **kwargs)
             launch_args.append(v)
-        key = (device, tuple(parts), tuple(opts.items()) if opts else ())
+        key = (device, tuple(parts), tuple((k, type(v), v) for k, v in opts.items()) if opts else ())
         try:
             ck = self.cache.get(key)
         except TypeError:            # an unhashable argument: Triton's own path
