@@ -114,22 +114,33 @@ def _replays_ms(graph, reps: int) -> float:
     return start.elapsed_time(end)
 
 
+def _us_per_call(fn, calls: int, cuda: bool, spin: bool) -> float:
+    """µs per call of ``fn(0) .. fn(calls - 1)``, the median of three loops after one warm-up call. ``spin``: a
+    spin kernel queued before each loop keeps the GPU busy and the clock stops before the sync (host time
+    alone); else the sync ends each timed loop (wall time)."""
+    fn(0)
+    runs = []
+    for _ in range(3):
+        if cuda:
+            torch.cuda.synchronize()
+            if spin:
+                torch.cuda._sleep(HOST_SPIN_CYCLES)
+        t = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        if cuda and not spin:
+            torch.cuda.synchronize()
+        runs.append((time.perf_counter() - t) / calls * 1e6)
+    if cuda:
+        torch.cuda.synchronize()
+    return statistics.median(runs)
+
+
 def wall_us_per_call(fn, calls: int, cuda: bool) -> float:
     """Wall µs per call of ``calls`` back-to-back eager calls ``fn(0) .. fn(calls - 1)`` with one sync at the end,
     the median of three such loops (after one warm-up call): the device time when the GPU is the bottleneck,
     more when the host path is."""
-    fn(0)
-    if cuda:
-        torch.cuda.synchronize()
-    runs = []
-    for _ in range(3):
-        t = time.perf_counter()
-        for i in range(calls):
-            fn(i)
-        if cuda:
-            torch.cuda.synchronize()
-        runs.append((time.perf_counter() - t) / calls * 1e6)
-    return statistics.median(runs)
+    return _us_per_call(fn, calls, cuda, spin=False)
 
 
 #: spin cycles queued ahead of a host-time loop: ~0.2 s on an H200, longer than the loops' launches
@@ -140,19 +151,7 @@ def host_us_per_call(fn, calls: int, cuda: bool) -> float:
     """Host µs per call of ``fn(0) .. fn(calls - 1)`` while a spin kernel queued first keeps the GPU busy: the
     launch path alone (Python, dispatch, kernel launches), never waiting for the GPU; the median of three
     loops after one warm-up call. Without a GPU: plain wall time per call."""
-    fn(0)
-    runs = []
-    for _ in range(3):
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda._sleep(HOST_SPIN_CYCLES)
-        t = time.perf_counter()
-        for i in range(calls):
-            fn(i)
-        runs.append((time.perf_counter() - t) / calls * 1e6)
-        if cuda:
-            torch.cuda.synchronize()
-    return statistics.median(runs)
+    return _us_per_call(fn, calls, cuda, spin=True)
 
 
 def launch_paths_us(fn, calls: int, cuda: bool, rounds: int = 5) -> tuple[float, float]:
@@ -160,8 +159,6 @@ def launch_paths_us(fn, calls: int, cuda: bool, rounds: int = 5) -> tuple[float,
     (``NVFP4_PLUGIN_FAST_LAUNCH`` unset, the default) and with every launch through Triton's ``kernel[grid]``
     (``=0``) in the same process, alternated ``rounds`` times (the host's speed drifts by tens of µs between
     loops); the median of each."""
-    import os
-
     saved = os.environ.pop("NVFP4_PLUGIN_FAST_LAUNCH", None)
     direct, triton_path = [], []
     try:

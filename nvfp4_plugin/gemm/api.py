@@ -186,12 +186,12 @@ def w4_dequantize(weight: PackedW4Weight, *, apply_alpha: bool = False, act_scal
     bn, bk = 64, 128
     grid = (triton_cdiv(lay.n, bn), triton_cdiv(lay.k, bk), num_e)
     fast(tk.w4_dequant_kernel)[grid](weight.words, weight.scales, out, weight.alpha,
-                               act_scale if act_scale is not None else _dummy(weight.device), lay.n, lay.k,
-                               weight.words.stride(0), weight.words.stride(1), weight.scales.stride(0),
-                               weight.scales.stride(1), out.stride(0), out.stride(1), weight.alpha.stride(0),
-                               BN=bn, BK=bk, DT=0 if lay.act_dtype == torch.bfloat16 else 1,
-                               USE_ASM=int(not tk.INTERPRET), APPLY_ALPHA=int(apply_alpha),
-                               ACT_SCALE=int(act_scale is not None), num_warps=4)
+                                     act_scale if act_scale is not None else _dummy(weight.device), lay.n, lay.k,
+                                     weight.words.stride(0), weight.words.stride(1), weight.scales.stride(0),
+                                     weight.scales.stride(1), out.stride(0), out.stride(1), weight.alpha.stride(0),
+                                     BN=bn, BK=bk, DT=0 if lay.act_dtype == torch.bfloat16 else 1,
+                                     USE_ASM=int(not tk.INTERPRET), APPLY_ALPHA=int(apply_alpha),
+                                     ACT_SCALE=int(act_scale is not None), num_warps=4)
     return out if lay.lead_shape else out[0]
 
 

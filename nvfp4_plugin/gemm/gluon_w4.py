@@ -370,8 +370,8 @@ def launch_dense(x2: torch.Tensor, w, y: torch.Tensor, cfg, dummy: torch.Tensor,
         HAS_SCATTER=0, HAS_ROWSCALE=0, PF=cfg.prefetch, num_warps=bn // 16)
     if sk > 1:
         block = 1024
-        fast(w4_splitk_reduce_kernel)[(-(-(lay.n - n0) // block), m)](ws, b, y, m, lay.n, n0, y.stride(0), sk,
-                                                                HAS_BIAS=int(bias is not None), BLOCK=block)
+        fast(w4_splitk_reduce_kernel)[(-(-(lay.n - n0) // block), m)](
+            ws, b, y, m, lay.n, n0, y.stride(0), sk, HAS_BIAS=int(bias is not None), BLOCK=block)
 
 
 def launch_grouped(mode: int, x2: torch.Tensor, w, y2: torch.Tensor, cfg, aux: torch.Tensor, dummy: torch.Tensor, *,

@@ -10,14 +10,17 @@ tensors passed as their device addresses (the launcher then skips its per-pointe
 
 The key is never coarser than Triton's specialization, so a cached kernel is only reused where
 Triton would pick the same one: per tensor its dtype and whether its address is 16-byte aligned; per
-int whether it is 1, divisible by 16, and which integer type holds it; bools, constexprs, options
-(``num_warps``...) and everything else by value; Gluon tensor descriptors by element type, block
+int whether it is 1, divisible by 16, and which integer type holds it; constexprs as Triton keys them
+(ints by value, anything else by type and text); bools, options (``num_warps``...) and everything else by
+value; Gluon tensor descriptors by element type, block
 shape, layout, padding and the divisibility of their shape and strides; plus the current device.
 Launch hooks (a Triton profiler), the CPU interpreter, a process without a CUDA device and Triton
 versions other than 3.6 take Triton's own path; so does every launch when ``NVFP4_PLUGIN_FAST_LAUNCH=0``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -47,15 +50,11 @@ def _desc_key(d):
             d.padding, dims)
 
 
-_HAS_CUDA: list = []
-
-
+@functools.lru_cache(maxsize=1)
 def _cuda() -> bool:
     """A CUDA device in this process (read once: without one, e.g. when compiling for sm_90a on a CPU machine,
     every launch is Triton's)."""
-    if not _HAS_CUDA:
-        _HAS_CUDA.append(torch.cuda.is_available())
-    return _HAS_CUDA[0]
+    return torch.cuda.is_available()
 
 
 def _hooked(hook) -> bool:
