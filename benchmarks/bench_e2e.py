@@ -77,6 +77,9 @@ CONFIG_ENV = {"ours-triton-launch": {"NVFP4_PLUGIN_FAST_LAUNCH": "0"}}
 for _engine in CONFIGS.values():
     _engine.update({name: _engine["ours"] for name in CONFIG_ENV})
 BUILTIN = {"vllm": ("marlin", "humming"), "sglang": ("builtin",)}
+DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+#: further prefill shapes (prompts x tokens): one chunk of 16384 tokens, half of one, four; ms per run of each
+PREFILL_SHAPES = ("16x1024", "8x1024", "64x1024")
 
 
 def default_configs(engine: str) -> list[str]:
@@ -88,9 +91,6 @@ def config_env(env: dict, config: str) -> dict:
     """The environment of a configuration's engine process."""
     extra = CONFIG_ENV.get(config)
     return {**env, **extra} if extra else env
-DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
-#: further prefill shapes (prompts x tokens): one chunk of 16384 tokens, half of one, four; ms per run of each
-PREFILL_SHAPES = ("16x1024", "8x1024", "64x1024")
 
 
 def parallel_tag(tp: int, ep: bool) -> str:
