@@ -34,6 +34,10 @@ the layer (ours, vLLM's bf16) and the two grouped GEMMs under the selected confi
 tiles, beside ``torch._grouped_mm`` on the same weights in bf16; burst (about 30 ms of replays on a rested
 GPU) and sustained (after 1.5 s of load) µs per call. Short CUDA-graph timings rank kernels at boost clock; served prefill runs at the cap.
 
+``--glue-shapes`` times the row gather (ours against ``torch.index_select``) and the SiLU-mul kernel under
+several launch shapes at each ``--tokens`` count instead (``triton.testing.do_bench``, outputs checked
+bit-equal), beside a plain copy of the SiLU-mul's bytes: how the glue's launch shapes were chosen.
+
 The peer is vLLM's Triton ``fused_experts`` on the same weights dequantized to bf16 (what ``--dtype bf16``
 serves); without vLLM its columns say why. ``--smoke`` runs a tiny shape without the peer, on the GPU or,
 without one, through the interpreter (the table's form, not numbers to quote).
@@ -321,6 +325,72 @@ def host_profile(model: dict, tokens: int, device, calls: int = 30, top: int = 2
     return "\n".join(md)
 
 
+#: (rows per program, columns per pass, warps) of the row gather, and (rows, columns, warps) of the SiLU-mul
+#: kernel, that --glue-shapes times
+GATHER_SHAPES = tuple((br, bh, nw) for br in (4, 8, 16) for bh in (512, 1024, 2048) for nw in (4, 8))
+SILU_SHAPES = ((16, 256, 4), (32, 256, 4), (32, 256, 8), (8, 256, 4), (8, 512, 4), (16, 512, 8), (4, 1024, 4),
+               (8, 1024, 8), (64, 128, 8), (32, 128, 4), (16, 128, 4))
+
+
+def glue_shapes(model: dict, tokens: list[int], device: str = "cuda") -> str:
+    """µs per call of the row gather and the SiLU-mul kernel under each launch shape (GPU only)."""
+    import triton
+    from triton.testing import do_bench
+
+    from nvfp4_plugin.gemm import moe_glue as MG
+    from nvfp4_plugin.triton import _runtime as rt
+
+    e, h, inter, k = model["E"], model["H"], model["I"], model["top_k"]
+    md = [f"Row gather of the routed rows (top-{k}, H={h}) and SiLU-mul (I={inter}), µs per call "
+          "(`triton.testing.do_bench`, L2 flushed between calls); TB/s of bytes read plus written:", "",
+          "| tokens | kernel | launch shape | µs | TB/s |", "|---:|---|---|---:|---:|"]
+
+    def row(t, what, shape, fn, nbytes):
+        us = do_bench(fn, warmup=10, rep=60) * 1e3
+        md.append(f"| {t} | {what} | {shape} | {us:.1f} | {nbytes / us / 1e6:.2f} |")
+        print(md[-1], flush=True)
+
+    for t in tokens:
+        r = t * k
+        x = torch.randn(t, h, device=device, dtype=torch.bfloat16)
+        ids = torch.topk(torch.rand(t, e, device=device), k, dim=-1)[1].to(torch.int32)
+        idx = moe_routing(ids, e)["gather_idx"]
+        want = x.index_select(0, idx)
+        out = torch.empty_like(want)
+        gbytes = 2 * r * h * x.element_size()
+        row(t, "gather", "torch.index_select", lambda: torch.index_select(x, 0, idx, out=out), gbytes)
+        xk, ok = x.view(torch.int16), out.view(torch.int16)
+        for br, bh, nw in GATHER_SHAPES:
+            def gather(br=br, bh=bh, nw=nw):
+                MG._gather_rows_kernel[(triton.cdiv(r, br),)](xk, idx, ok, r, h, x.stride(0), out.stride(0), BR=br,
+                                                              BH=bh, num_warps=nw)
+            out.zero_()
+            gather()
+            if not torch.equal(out, want):
+                raise AssertionError(f"gather BR={br} BH={bh} num_warps={nw}: not index_select's rows")
+            cur = " (selected)" if (br, bh, nw) == (MG.GATHER_BR, MG.GATHER_BH, MG.GATHER_WARPS) else ""
+            row(t, "gather", f"BR={br} BH={bh} num_warps={nw}{cur}", gather, gbytes)
+        hm = torch.randn(r, 2 * inter, device=device, dtype=torch.bfloat16)
+        ref = silu_and_mul(hm)
+        so = torch.empty_like(ref)
+        sbytes = r * 3 * inter * hm.element_size()
+        row(t, "silu_mul", "silu_and_mul (selected)", lambda: silu_and_mul(hm, out=so), sbytes)
+        for br, bi, nw in SILU_SHAPES:
+            def silu(br=br, bi=bi, nw=nw):
+                MG._silu_mul_kernel[(triton.cdiv(r, br), triton.cdiv(inter, bi))](
+                    rt.as_kernel_tensor(hm), rt.as_kernel_tensor(so), r, inter, hm.stride(0), so.stride(0), BR=br,
+                    BI=bi, num_warps=nw, **rt.LAUNCH_OPTIONS)
+            so.zero_()
+            silu()
+            if not torch.equal(so.view(torch.int16), ref.view(torch.int16)):
+                raise AssertionError(f"silu_mul BR={br} BI={bi} num_warps={nw}: not silu_and_mul's bits")
+            row(t, "silu_mul", f"BR={br} BI={bi} num_warps={nw}", silu, sbytes)
+        src = torch.empty(sbytes // 2, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        row(t, "copy", "the SiLU-mul's bytes, torch copy_", lambda: dst.copy_(src), sbytes)
+    return "\n".join(md) + "\n"
+
+
 def table(rows: list[dict], model_name: str, model: dict, reason: str | None) -> str:
     def f(v):
         return "-" if v is None else f"{v:.1f}"
@@ -354,12 +424,14 @@ def main(argv=None) -> int:
                     help="time TOKENS tokens after seconds of load (power-capped clocks) instead; GPU only")
     ap.add_argument("--host-profile", type=int, metavar="TOKENS",
                     help="host time per eager call of TOKENS tokens and a cProfile of it, instead of the table")
+    ap.add_argument("--glue-shapes", action="store_true",
+                    help="time the row gather and SiLU-mul launch shapes at each --tokens count instead; GPU only")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shape, no peer (the GPU if there is one, else the CPU interpreter): checks the script")
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not a.smoke:
-        print("bench_moe: needs a CUDA GPU (or --smoke, which neither --trace nor --sustained take)")
+        print("bench_moe: needs a CUDA GPU (or --smoke, which --trace, --sustained and --glue-shapes do not take)")
         return 2
     device = "cuda" if cuda else "cpu"
     BG.DEVICE = device
@@ -367,8 +439,8 @@ def main(argv=None) -> int:
     tokens = [t for t in a.tokens if t >= 1] if not a.smoke else [t for t in a.tokens if t <= 64] or [1, 8]
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False
-    if a.smoke and (a.trace or a.sustained):
-        print("bench_moe: --trace and --sustained time a real shape on a GPU; not with --smoke")
+    if a.smoke and (a.trace or a.sustained or a.glue_shapes):
+        print("bench_moe: --trace, --sustained and --glue-shapes time a real shape on a GPU; not with --smoke")
         return 2
     if a.host_profile:
         text = host_profile(model, a.host_profile if not a.smoke else min(a.host_profile, 8), device,
@@ -377,8 +449,9 @@ def main(argv=None) -> int:
         Path(a.out).write_text(text)
         print(text)
         return 0
-    if a.trace or a.sustained:
-        text = (trace(model, a.trace, with_vllm=not a.no_vllm) if a.trace
+    if a.trace or a.sustained or a.glue_shapes:
+        text = (glue_shapes(model, tokens) if a.glue_shapes
+                else trace(model, a.trace, with_vllm=not a.no_vllm) if a.trace
                 else sustained(model, a.sustained, with_vllm=not a.no_vllm))
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(text)

@@ -54,10 +54,27 @@ def test_trace_summary_splits_kernel_time_idle_gaps_and_host_syncs():
 def test_trace_and_sustained_take_a_real_shape_on_a_gpu(capsys):
     assert M.main(["--out", "unused.md", "--trace", "64", "--smoke"]) == 2
     assert M.main(["--out", "unused.md", "--sustained", "64", "--smoke"]) == 2
-    assert capsys.readouterr().out.count("not with --smoke") == 2
+    assert M.main(["--out", "unused.md", "--glue-shapes", "--smoke"]) == 2
+    assert capsys.readouterr().out.count("not with --smoke") == 3
     if not torch.cuda.is_available():
         assert M.main(["--out", "unused.md", "--trace", "64"]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_glue_shapes_times_every_shape_and_checks_its_output(monkeypatch):
+    # the timer stubbed (do_bench needs CUDA): on the CPU the kernels run through the interpreter, so each
+    # shape's output check runs; a few shapes of each kernel keep it short
+    import triton.testing
+
+    calls = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup, rep: calls.append(fn()) or 1.0)
+    monkeypatch.setattr(M, "GATHER_SHAPES", M.GATHER_SHAPES[:2] + ((8, 1024, 4),))
+    monkeypatch.setattr(M, "SILU_SHAPES", M.SILU_SHAPES[:2])
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    md = M.glue_shapes(dict(E=4, top_k=2, H=96, I=40), [3], device=dev)
+    assert len(calls) == 1 + 3 + 1 + 2 + 1
+    assert "| 3 | gather | BR=8 BH=1024 num_warps=4 (selected) | 1000.0 |" in md
+    assert md.count("| 3 | silu_mul |") == 3 and "| 3 | copy |" in md
 
 
 @pytest.mark.gpu

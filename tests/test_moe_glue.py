@@ -1,4 +1,4 @@
-"""The MoE glue kernels (routing, SiLU-and-mul, top-k combine): the same bytes as the torch
+"""The MoE glue kernels (routing, row gather, SiLU-and-mul, top-k combine): the same bytes as the torch
 definitions they replace, on the CPU interpreter and on the GPU."""
 
 import pytest
@@ -89,6 +89,36 @@ def _special_values(dtype):
     tiny = torch.finfo(dtype).tiny
     vals += [tiny, -tiny, tiny / 4, -tiny / 4, torch.finfo(dtype).max, -torch.finfo(dtype).max]
     return torch.tensor(vals, dtype=torch.float32).to(dtype)
+
+
+@pytest.mark.parametrize("r,t,h,dtype", [(1, 1, 16, torch.bfloat16), (37, 5, 200, torch.bfloat16),
+                                         (64, 9, 2048, torch.float16), (19, 3, 40, torch.float32)])
+def test_gather_rows_is_index_select(r, t, h, dtype):
+    # rows of every pattern: repeated tokens, a partial last block of rows, a partial last column pass
+    # (h > GATHER_BH), a width that is no multiple of 16
+    g = torch.Generator().manual_seed(r)
+    x = torch.randn(t, h, generator=g).to(dtype).to(DEV)
+    x[0, 0] = float("nan")
+    idx = torch.randint(0, t, (r,), generator=g, dtype=torch.int32).to(DEV)
+    got = G.gather_rows(x, idx)
+    want = x.index_select(0, idx)
+    assert got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    out = torch.full((r, h), 7, dtype=dtype, device=DEV)
+    assert G.gather_rows(x, idx, out=out) is out and torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+    # a row-strided source (a view of wider rows)
+    wide = torch.randn(t, h + 8, generator=g).to(dtype).to(DEV)
+    want = wide[:, :h].index_select(0, idx)
+    assert torch.equal(G.gather_rows(wide[:, :h], idx).view(torch.uint8), want.view(torch.uint8))
+
+
+def test_gather_rows_checks_its_arguments():
+    x = torch.zeros(4, 8, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(TypeError, match="idx: expected dtype int32"):
+        G.gather_rows(x, torch.zeros(3, dtype=torch.int64, device=DEV))
+    with pytest.raises(ValueError, match=r"out: expected shape \(3, 8\)"):
+        G.gather_rows(x, torch.zeros(3, dtype=torch.int32, device=DEV), out=torch.empty(2, 8, dtype=torch.bfloat16,
+                                                                                       device=DEV))
+    assert G.gather_rows(x, torch.zeros(0, dtype=torch.int32, device=DEV)).shape == (0, 8)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

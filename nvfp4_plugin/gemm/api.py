@@ -441,7 +441,7 @@ def w4_grouped(x: torch.Tensor, weight: PackedW4Weight, expert_offsets: torch.Te
             if gather_idx is not None:
                 # TMA cannot gather rows: copy them into expert order first (at the row counts the Gluon
                 # configs are tuned for, the copy costs far less than the Triton kernel's gather loads)
-                x = x.index_select(0, gather_idx)
+                x = moe_glue.gather_rows(x, gather_idx)
             g.launch_grouped(1, _tma_ready(x), weight, out, cfg, expert_offsets, _dummy(x.device), m=rows, m_split=ms,
                              scatter=scatter_idx, row_scale=row_scale, act_scale=act_scale)
             return out
