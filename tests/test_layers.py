@@ -65,14 +65,15 @@ def test_moe_matches_reference(mode, monkeypatch):
         Nvfp4FusedMoE(w13, Nvfp4Weight.quantize(torch.randn(e, h, 2 * inter)))
 
 
-def test_forward_ops_take_the_layer_key_not_its_tensors():
+def test_forward_ops_take_the_layer_handle_not_its_tensors():
     """A compiled graph must not depend on which backend prepared a layer (engines cache graphs on
-    disk keyed without our backend choice): the custom op's arguments are x, bias and the key."""
+    disk keyed without our backend choice): the custom op's arguments are x, bias and the handle."""
     import torch.library  # noqa: F401
 
     schema = str(torch.ops.nvfp4_layers.linear.default._schema)
-    assert schema.startswith("nvfp4_layers::linear(Tensor x, Tensor? bias, SymInt key)") or \
-        schema.startswith("nvfp4_layers::linear(Tensor x, Tensor? bias, int key)"), schema
+    assert schema.startswith("nvfp4_layers::linear(Tensor x, Tensor? bias, Tensor handle)"), schema
+    assert str(torch.ops.nvfp4_layers.fused_moe.default._schema).startswith(
+        "nvfp4_layers::fused_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor handle)")
     w = Nvfp4Weight.quantize(torch.randn(16, 32))
     layer = Nvfp4Linear(w)
     x = torch.randn(2, 32, dtype=torch.bfloat16)

@@ -7,8 +7,8 @@ the engine's module, as torch.compile and CUDA graphs expect) and ``meta`` (stat
 The forward passes the tensors back in. Which kernel runs is the backend's business
 (``base.select_backend``, one file per backend in ``backends/``).
 
-Where things are: the layers in :mod:`.api`; the layer keys and the torch ops that look
-layers up by key in :mod:`.registry`; the backend interface in :mod:`.base`; deployment planning
+Where things are: the layers in :mod:`.api`; the layer handles and the torch ops that look
+layers up by them in :mod:`.registry`; the backend interface in :mod:`.base`; deployment planning
 (``nvfp4-plugin info``) in :mod:`.deploy`.
 """
 

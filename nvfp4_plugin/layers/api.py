@@ -1,7 +1,7 @@
 """The engine-neutral layers: ``Nvfp4Linear`` and ``Nvfp4FusedMoE`` (see the package docstring).
 
 A layer selects its backend once (``base.select_backend``), keeps the backend's prepared state and
-registers itself under a key (:mod:`.registry`) that its forward op takes.
+registers itself under a handle tensor (:mod:`.registry`) that its forward op takes.
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ class _Layer:
 
     def _register(self, out_features: int) -> None:
         self.out_features = out_features
-        self.key = registry.register(self)
+        # (kept by the layer: the registry holds the layer weakly, by the handle's address)
+        self.handle = registry.register(self, out_features, self.spec.device)
+        self.key = registry.key_of(self.handle)
 
     def _warm(self, key: tuple, sizes_fn, make_run) -> None:
         """Once per process and ``key`` (the layer shape): ``run = make_run(max(sizes))``, then ``run(m)``
@@ -86,7 +88,7 @@ class Nvfp4Linear(_Layer):
         self._register(weight.n)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return registry.linear_op(x, bias, self.key)
+        return registry.linear_op(x, bias, self.handle)
 
     def warmup(self, max_tokens: int, bias: torch.Tensor | None = None) -> None:
         """Compile (or load from Triton's cache) every kernel a forward of 1..``max_tokens`` tokens with
@@ -130,7 +132,7 @@ class Nvfp4FusedMoE(_Layer):
         self._register(h)
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return registry.moe_op(x, topk_weights, topk_ids, self.key)
+        return registry.moe_op(x, topk_weights, topk_ids, self.handle)
 
     @property
     def supports_masked(self) -> bool:
@@ -173,7 +175,7 @@ class Nvfp4FusedMoE(_Layer):
             raise ValueError(f"out: expected {x.dtype} {list(x.shape)} on {x.device}, got {out.dtype} "
                              f"{list(out.shape)} on {out.device}")
         if x.shape[1] > 0:
-            registry.moe_masked_op(x, mask, out, self.key)
+            registry.moe_masked_op(x, mask, out, self.handle)
         return out
 
     def warmup(self, max_tokens: int, top_k: int) -> None:

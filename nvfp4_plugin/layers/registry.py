@@ -1,16 +1,21 @@
-"""Layer keys and the forward ops that look layers up by them.
+"""Layer handles and the forward ops that look layers up by them.
 
 Every forward goes through one torch op per layer kind (``torch.ops.nvfp4_layers.linear`` /
 ``.fused_moe`` / ``.fused_moe_masked``, apart from the compiled kernels' namespace) with a fake implementation, so
 torch.compile treats the backend as opaque (config selection, Triton launches) and CUDA graphs
-capture whatever it launches. The ops take the layer's key, not its tensors: a graph compiled by
-torch.compile (and cached on disk by the engines, whose cache keys know nothing of our backend
-choice) then never depends on which backend prepared the layer or on its tensor names.
+capture whatever it launches. The ops take the layer's *handle*, not its tensors: a small uint8 tensor
+on the layer's device, ``[out_features]`` long, that the layer owns. The op finds the layer by the
+handle's address (no read of its contents, so no host sync); the fake implementation reads the output
+width from its shape. A handle is a tensor, so torch.compile makes it an input of the graph, as it does a
+weight: every decoder layer of a model traces to the same graph code, and vLLM's piecewise compile builds
+one graph for all of them (an int key was a constant of the graph, which made each layer's piece a graph
+of its own: 12 compilations for a 12-layer model, and twice bf16's cold start). A compiled graph never
+depends on which backend prepared the layer or on its tensor names.
 
 The registry holds layers weakly: a layer lives as long as its owner (the engine's module, through
 ``module.nvfp4_core``) and leaves the registry when that is freed. A compiled graph or a captured
-CUDA graph belongs to the model that owns the layers, so every key it calls is alive while it runs;
-a key that is not raises an error naming it.
+CUDA graph belongs to the model that owns the layers, so every handle it calls is alive while it runs;
+a handle whose layer is gone (or a copy of a handle, at another address) raises an error naming it.
 
 The ops are defined on a ``torch.library.Library`` with one CompositeExplicitAutograd kernel, not
 with ``torch.library.custom_op``; they have no autograd formula (the engines run inference only: no
@@ -21,7 +26,6 @@ that runs outside CUDA graphs (vLLM's mixed prefill steps above its largest capt
 
 from __future__ import annotations
 
-import itertools
 import logging
 import weakref
 
@@ -30,21 +34,29 @@ import torch
 logger = logging.getLogger("nvfp4_plugin")
 
 _LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_KEYS = itertools.count()
 
 
-def register(layer) -> int:
-    """A new key for ``layer``, held only as long as something else holds the layer."""
-    key = next(_KEYS)
-    _LAYERS[key] = layer
-    return key
+def register(layer, width: int, device) -> torch.Tensor:
+    """A new handle for ``layer`` (uint8 ``[width]`` on ``device``; ``width``: the op's output width). The
+    layer must keep it: the registry holds the layer only as long as something else does, and the handle's
+    address is the layer's key (:func:`key_of`)."""
+    if width < 1:
+        raise ValueError(f"width: expected >= 1 (the layer's output features), got {width}")
+    handle = torch.empty(width, dtype=torch.uint8, device=device)
+    _LAYERS[handle.data_ptr()] = layer
+    return handle
+
+
+def key_of(handle: torch.Tensor) -> int:
+    """The registry key of ``handle``: its address."""
+    return handle.data_ptr()
 
 
 def lookup(key: int):
     layer = _LAYERS.get(key)
     if layer is None:
-        raise KeyError(f"nvfp4 layer key {key}: no such layer (its module was freed, or the key never existed); "
-                       f"{len(_LAYERS)} layer(s) alive")
+        raise KeyError(f"nvfp4 layer key {key:#x}: no such layer (its module was freed, the handle is a copy of "
+                       f"a layer's handle, or it never was one); {len(_LAYERS)} layer(s) alive")
     return layer
 
 
@@ -73,21 +85,22 @@ def _define(name: str, fn, fake, mutates_args=()):
     return getattr(torch.ops.nvfp4_layers, name).default
 
 
-def _linear(x: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
-    layer = lookup(key)
+def _linear(x: torch.Tensor, bias: torch.Tensor | None, handle: torch.Tensor) -> torch.Tensor:
+    layer = lookup(handle.data_ptr())
     return layer.backend.apply(layer.tensors, layer.meta, x, bias)
 
 
-def _linear_fake(x, bias, key):
-    return x.new_empty((*x.shape[:-1], lookup(key).out_features))
+def _linear_fake(x, bias, handle):
+    return x.new_empty((*x.shape[:-1], handle.shape[0]))
 
 
-def _fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, key: int) -> torch.Tensor:
-    layer = lookup(key)
+def _fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+               handle: torch.Tensor) -> torch.Tensor:
+    layer = lookup(handle.data_ptr())
     return layer.backend.apply(layer.tensors, layer.meta, x, topk_weights, topk_ids)
 
 
-def _fused_moe_fake(x, topk_weights, topk_ids, key):
+def _fused_moe_fake(x, topk_weights, topk_ids, handle):
     return torch.empty_like(x)
 
 
@@ -95,11 +108,11 @@ def _fused_moe_fake(x, topk_weights, topk_ids, key):
 _MASKED_LOGGED: set = set()
 
 
-def _fused_moe_masked(x: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, key: int) -> None:
+def _fused_moe_masked(x: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, handle: torch.Tensor) -> None:
     """The masked layout of expert-parallel dispatch (see ``Nvfp4FusedMoE.forward_masked``): writes the
     rows ``r < mask[e]`` of ``out [E, max_m, H]`` and nothing else, so it mutates ``out`` (an engine's
     buffer) instead of returning a new tensor."""
-    layer = lookup(key)
+    layer = lookup(handle.data_ptr())
     seen = (layer.backend.name, layer.spec)
     if seen not in _MASKED_LOGGED:       # once per shape, from inside the op: what actually ran
         _MASKED_LOGGED.add(seen)
@@ -110,7 +123,7 @@ def _fused_moe_masked(x: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, ke
     layer.backend.apply_masked(layer.tensors, layer.meta, x, mask, out)
 
 
-def _fused_moe_masked_fake(x, mask, out, key):
+def _fused_moe_masked_fake(x, mask, out, handle):
     return None
 
 
