@@ -202,7 +202,8 @@ def test_gpu_layers_same_bytes_with_direct_launches_eager_and_in_a_graph(monkeyp
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     # from now on no launch of the MoE glue or the GEMMs goes through Triton's JITFunction.run
     through_triton = []
-    for k in (G._silu_mul_kernel, G._combine_kernel, tk.w4_gemm_kernel, gw.w4_wgmma_kernel, tk.w4_dequant_kernel):
+    for k in (G._silu_mul_kernel, G._combine_kernel, G._gather_rows_kernel, tk.w4_gemm_kernel, gw.w4_wgmma_kernel,
+              tk.w4_dequant_kernel):
         monkeypatch.setattr(k, "run", lambda *a, _k=k, _run=k.run, **kw: through_triton.append(_k) or _run(*a, **kw))
     for _ in range(2):
         got = fwd()

@@ -92,10 +92,11 @@ def _special_values(dtype):
 
 
 @pytest.mark.parametrize("r,t,h,dtype", [(1, 1, 16, torch.bfloat16), (37, 5, 200, torch.bfloat16),
-                                         (64, 9, 2048, torch.float16), (19, 3, 40, torch.float32)])
+                                         (64, 9, 2048, torch.float16), (21, 4, 1100, torch.bfloat16),
+                                         (19, 3, 40, torch.float32)])
 def test_gather_rows_is_index_select(r, t, h, dtype):
-    # rows of every pattern: repeated tokens, a partial last block of rows, a partial last column pass
-    # (h > GATHER_BH), a width that is no multiple of 16
+    # rows of every pattern: repeated tokens, a partial last block of rows, two whole column passes
+    # (h = 2 GATHER_BH) and a partial last one (1100), a width that is no multiple of 16
     g = torch.Generator().manual_seed(r)
     x = torch.randn(t, h, generator=g).to(dtype).to(DEV)
     x[0, 0] = float("nan")
@@ -105,10 +106,20 @@ def test_gather_rows_is_index_select(r, t, h, dtype):
     assert got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     out = torch.full((r, h), 7, dtype=dtype, device=DEV)
     assert G.gather_rows(x, idx, out=out) is out and torch.equal(out.view(torch.uint8), want.view(torch.uint8))
-    # a row-strided source (a view of wider rows)
-    wide = torch.randn(t, h + 8, generator=g).to(dtype).to(DEV)
-    want = wide[:, :h].index_select(0, idx)
-    assert torch.equal(G.gather_rows(wide[:, :h], idx).view(torch.uint8), want.view(torch.uint8))
+    # a row-strided source (a view of wider rows) with a storage offset (from its second row on), and a
+    # strided index (every other entry)
+    wide = torch.randn(t + 1, h + 8, generator=g).to(dtype).to(DEV)
+    src, sidx = wide[1:, :h], torch.stack([idx, idx], 1).reshape(-1)[::2]
+    assert sidx.stride(0) == 2 and src.storage_offset() == h + 8
+    assert _same_bytes(G.gather_rows(src, sidx), src.index_select(0, sidx))
+    # the index_select fallbacks: a column-strided source, a column-strided out
+    want = x.index_select(0, idx)
+    assert _same_bytes(G.gather_rows(x.t().contiguous().t(), idx), want)
+    assert _same_bytes(G.gather_rows(x, idx, out=torch.empty((h, r), dtype=dtype, device=DEV).t()), want)
+
+
+def _same_bytes(a, b):
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def test_gather_rows_checks_its_arguments():
@@ -119,6 +130,8 @@ def test_gather_rows_checks_its_arguments():
         G.gather_rows(x, torch.zeros(3, dtype=torch.int32, device=DEV), out=torch.empty(2, 8, dtype=torch.bfloat16,
                                                                                        device=DEV))
     assert G.gather_rows(x, torch.zeros(0, dtype=torch.int32, device=DEV)).shape == (0, 8)
+    with pytest.raises(ValueError, match="x: no rows to gather from, but idx has 2 entries"):
+        G.gather_rows(x[:0], torch.zeros(2, dtype=torch.int32, device=DEV))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -216,9 +216,14 @@ def _gather_rows_kernel(x_ptr, idx_ptr, out_ptr, R, H, stride_x, stride_o, BR: t
         tl.store(out_ptr + dst[:, None] * stride_o + cols[None, :], v, mask=m, eviction_policy="evict_first")
 
 
+#: element types the gather kernel copies (as 16-bit words for the 2-byte ones); others take index_select
+_GATHER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def gather_rows(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[r] = x[idx[r]]`` for int32 ``idx [R]`` with values in ``[0, x.shape[0])`` (a copy: bit-exact),
-    the same as ``x.index_select(0, idx)``; on the GPU one kernel of 16-byte loads and stores."""
+    """``out[r] = x[idx[r]]`` for int32 ``idx [R]`` (a copy: bit-exact), the same as ``x.index_select(0, idx)``;
+    on the GPU one kernel of 16-byte loads and stores. Values of ``idx`` must lie in ``[0, x.shape[0])``: they
+    are not read on the host (no sync), and the kernel does not check them."""
     check_tensor("x", x, ndim=2)
     check_tensor("idx", idx, dtypes=(torch.int32,), ndim=1, device=x.device)
     r, h = idx.shape[0], x.shape[1]
@@ -229,8 +234,13 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = N
         check_shape("out", out, (r, h))
     if r == 0 or h == 0:
         return out
-    if not (x.is_cuda or rt.interpreting()) or x.stride(1) != 1 or out.stride(1) != 1:
+    if x.shape[0] == 0:
+        raise ValueError(f"x: no rows to gather from, but idx has {r} entries")
+    if not (x.is_cuda or rt.interpreting()) or x.dtype not in _GATHER_DTYPES or x.stride(1) != 1 \
+            or out.stride(1) != 1:
         return torch.index_select(x, 0, idx, out=out)
+    if idx.stride(0) != 1:
+        idx = idx.contiguous()
     # a copy of 16-bit words (the interpreter has no bf16)
     xk, ok = (x.view(torch.int16), out.view(torch.int16)) if x.element_size() == 2 else (x, out)
     fast(_gather_rows_kernel)[(triton.cdiv(r, GATHER_BR),)](xk, idx, ok, r, h, x.stride(0), out.stride(0),
