@@ -46,6 +46,10 @@ def test_a_copy_of_a_handle_is_refused_not_served():
         torch.ops.nvfp4_layers.linear(x, None, module.nvfp4_core.handle.clone())
     with pytest.raises(ValueError, match="width: expected >= 1"):
         registry.register(object(), 0, "cpu")
+    with pytest.raises(RuntimeError, match="address 0x0 cannot key a layer"):
+        registry.register(object(), 4, "meta")             # no storage, no address
+    # a static input wherever torch.compile reaches it: never copied into a CUDA-graph input buffer
+    assert getattr(module.nvfp4_core.handle, "_dynamo_static_input_type", None) == "unguarded"
 
 
 def test_moe_layer_leaves_the_registry_when_freed():

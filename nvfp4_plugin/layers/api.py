@@ -46,7 +46,11 @@ class _Layer:
         self.out_features = out_features
         # (kept by the layer: the registry holds the layer weakly, by the handle's address)
         self.handle = registry.register(self, out_features, self.spec.device)
-        self.key = registry.key_of(self.handle)
+
+    @property
+    def key(self) -> int:
+        """The layer's registry key (its handle's address)."""
+        return registry.key_of(self.handle)
 
     def _warm(self, key: tuple, sizes_fn, make_run) -> None:
         """Once per process and ``key`` (the layer shape): ``run = make_run(max(sizes))``, then ``run(m)``

@@ -43,7 +43,14 @@ def register(layer, width: int, device) -> torch.Tensor:
     if width < 1:
         raise ValueError(f"width: expected >= 1 (the layer's output features), got {width}")
     handle = torch.empty(width, dtype=torch.uint8, device=device)
-    _LAYERS[handle.data_ptr()] = layer
+    key = handle.data_ptr()
+    if key == 0 or key in _LAYERS:    # (a device without real storage, e.g. meta: no address to key on)
+        raise RuntimeError(f"nvfp4 layer handle on {handle.device}: address {key:#x} cannot key a layer "
+                           "(none, or another live layer's)")
+    # a static input to torch.compile wherever the graph reaches it (through a module or not): never copied
+    # into a CUDA-graph input buffer, whose address would be no layer's
+    torch._dynamo.mark_static_address(handle, guard=False)
+    _LAYERS[key] = layer
     return handle
 
 
