@@ -47,6 +47,13 @@ def test_grouped_gather_scatter_topk_weights(cfg):
     # summing the top-k slots per token gives the MoE combine
     comb = y.float().reshape(tokens, top_k, n).sum(1)
     assert torch.allclose(comb.cpu().double(), y_ref.reshape(tokens, top_k, n).sum(1), rtol=0.02, atol=0.05)
+    # the same indices and weights as strided views (every other entry of a doubled vector): the same output
+    def strided(t):
+        return torch.stack([t, t], 1).reshape(-1)[::2]
+
+    y_s = w4_grouped(x, p, strided(offsets), gather_idx=strided(token), scatter_idx=strided(pair),
+                     row_scale=strided(topk_w), num_out_rows=tokens * top_k, config=cfg)
+    assert strided(token).stride(0) == 2 and torch.equal(y_s, y)
 
 
 def test_grouped_w4a4_and_empty():
@@ -144,6 +151,10 @@ def test_masked(cfg, dtype):
         y_ref = x[e, :valid].cpu().double() @ wd[e].cpu().t()
         assert ulp_error(out[e, :valid].cpu(), y_ref, dtype, f"masked/{dtype}") <= 2
         assert (out[e, valid:] == 3).all()   # rows past the mask untouched
+    # the mask as a strided view (every other entry of a doubled vector): the same output
+    out2 = torch.full_like(out, 3.0)
+    w4_masked(x, p, torch.stack([mask, mask], 1).reshape(-1)[::2], out=out2, config=cfg)
+    assert torch.equal(out2, out)
 
 
 def test_masked_w4a4():

@@ -407,6 +407,10 @@ def w4_grouped(x: torch.Tensor, weight: PackedW4Weight, expert_offsets: torch.Te
     if row_scale is not None:
         check_tensor("row_scale", row_scale, dtypes=(torch.float32,), device=x.device)
         check_shape("row_scale", row_scale, (n_out,))
+    # the kernels index these as contiguous vectors: a strided view (every other entry...) is copied first
+    expert_offsets, gather_idx, scatter_idx, row_scale = (
+        t if t is None or t.stride(0) == 1 else t.contiguous() for t in (expert_offsets, gather_idx, scatter_idx,
+                                                                          row_scale))
     if out is None:
         alloc = torch.zeros if scatter_idx is not None else torch.empty
         out = alloc((n_out, n), dtype=x.dtype, device=x.device)
@@ -477,6 +481,8 @@ def w4_masked(x: torch.Tensor, weight: PackedW4Weight, mask: torch.Tensor, *, ou
     max_m = x.shape[1]
     check_tensor("mask", mask, dtypes=(torch.int32,), device=x.device)
     check_shape("mask", mask, (num_e,))
+    if mask.stride(0) != 1:          # (the kernels index it as a contiguous vector)
+        mask = mask.contiguous()
     if out is None:
         out = torch.empty((num_e, max_m, n), dtype=x.dtype, device=x.device)
     else:
