@@ -25,7 +25,8 @@ Each measures decode throughput at every batch size of ``--batches`` (``--prompt
 included), with fresh random prompts each run: a warm-up run (recorded: the first request of a shape
 must be as fast as later ones), then ``--repeats`` runs whose median is the number (all recorded:
 a small model's decode step is ~1 ms of GPU work, so the engine's host overhead makes single runs
-vary by up to ±30%). Prefill: ``--prefill`` prompts (64 x 896 by default) generating one token,
+vary by up to ±30%; over the measured runs each batch also records the CPU time per decode step of the
+busiest processes of the engine's process tree, the host loop those steps wait on). Prefill: ``--prefill`` prompts (64 x 896 by default) generating one token,
 prompt tokens per second. With ``--profile-batches``, vLLM's torch profiler records decode steps
 of every configuration at those batch sizes, and full prefill steps (``max_num_batched_tokens``
 prompt tokens each): kernels by time per step and share, plus the host side (CUDA-graph and eager
@@ -449,20 +450,25 @@ def run_sweep(result: dict, timed, a) -> None:
     """Decode at each batch size (warm-up run, then the measured run) and prefill, into ``result``."""
     result["decode"] = {}
     result["repeats"] = a.repeats
-    for b in a.batches:
-        first = timed(b, a.prompt_len, a.gen_len)
-        runs = [timed(b, a.prompt_len, a.gen_len) for _ in range(a.repeats)]
-        rates = [n / dt for n, dt in runs]
-        med = statistics.median(rates)
-        result["decode"][str(b)] = {"first_tok_s": round(first[0] / first[1], 1), "tok_s": round(med, 1),
-                                    "runs_tok_s": [round(r, 1) for r in rates], "tokens": runs[0][0],
-                                    "ms_per_step": round(1e3 * b / med, 3)}
-        print(f"[{a.engine} {a.model} {a.config}] batch {b}: {result['decode'][str(b)]}", flush=True)
-    n, length = a.prefill
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from benchmarks.common import GpuClockSampler
+    from benchmarks.common import GpuClockSampler, TreeCpuMeter
 
+    for b in a.batches:
+        first = timed(b, a.prompt_len, a.gen_len)
+        with TreeCpuMeter() as cpu:
+            runs = [timed(b, a.prompt_len, a.gen_len) for _ in range(a.repeats)]
+        rates = [n / dt for n, dt in runs]
+        med = statistics.median(rates)
+        steps = a.gen_len * a.repeats
+        result["decode"][str(b)] = {"first_tok_s": round(first[0] / first[1], 1), "tok_s": round(med, 1),
+                                    "runs_tok_s": [round(r, 1) for r in rates], "tokens": runs[0][0],
+                                    "ms_per_step": round(1e3 * b / med, 3),
+                                    # host CPU time per engine step of the busiest processes of the engine's tree
+                                    "host_cpu_ms_per_step": {k: round(1e3 * v / steps, 3) for k, v in cpu.busiest()},
+                                    "wall_ms_per_step": round(1e3 * cpu.wall_s / steps, 3)}
+        print(f"[{a.engine} {a.model} {a.config}] batch {b}: {result['decode'][str(b)]}", flush=True)
+    n, length = a.prefill
     # prefill is power-bound: the clock it ran at is part of the result (sampled over the prefill runs and the
     # prefill-shape runs after them: a few seconds)
     with GpuClockSampler() as clocks:
@@ -715,11 +721,22 @@ def merge_rounds(first: dict, later: list[dict]) -> dict:
         vals = [d["tok_s"]] + [r["decode"][b]["tok_s"] for r in later if b in r["decode"]]
         med = statistics.median(vals)
         out["decode"][b] = dict(d, tok_s=round(med, 1), rounds_tok_s=vals, round0_tok_s=d["tok_s"],
-                                ms_per_step=round(1e3 * int(b) / med, 3) if med else d.get("ms_per_step"))
+                                ms_per_step=round(1e3 * int(b) / med, 3) if med else d.get("ms_per_step"),
+                                rounds_host_cpu=[host_cpu_summary(x) for x in
+                                                 [d] + [r["decode"].get(b) or {} for r in later]])
     if first.get("prefill"):
         vals = [first["prefill"]["tok_s"]] + [r["prefill"]["tok_s"] for r in later if r.get("prefill")]
         out["prefill"] = dict(first["prefill"], tok_s=round(statistics.median(vals), 1), rounds_tok_s=vals)
     return out
+
+
+def host_cpu_summary(d: dict) -> str | None:
+    """"busiest process: CPU ms / wall ms per step" of a decode result (None without the measurement)."""
+    cpu = d.get("host_cpu_ms_per_step")
+    if not cpu or d.get("wall_ms_per_step") is None:
+        return None
+    name, ms = max(cpu.items(), key=lambda kv: kv[1])
+    return f"{name.split('[')[0]} {ms:.2f} / {d['wall_ms_per_step']:.2f} ms"
 
 
 def _decode(r: dict, b) -> float | None:
@@ -780,6 +797,17 @@ def checks(results: list[dict], engine: str, model: str) -> list[str]:
                      f"{b} (first / measured: {first_ratios(b)})" for b in slow_first)))
     if engine == "vllm":
         lines.append(f"start method: {ours.get('start_method', '?')}")
+    # the engine's host loop at the smallest batches, where steps wait on it (per round where there are rounds)
+    for b in [b for b in batches if b <= 2]:
+        cells = []
+        for c, r in sorted(by.items()):
+            d = (r.get("decode") or {}).get(str(b)) or {}
+            per = [x for x in d.get("rounds_host_cpu") or [host_cpu_summary(d)] if x]
+            if per:
+                cells.append(f"{c} {'; '.join(per)}")
+        if cells:
+            lines.append(f"host CPU per decode step at batch {b} (busiest process of the engine, CPU / wall): "
+                         + ", ".join(cells))
     for c, r in sorted(by.items()):
         if r.get("rounds", 1) > 1:
             lines.append(f"{c}: the median of {r['rounds']} rounds (fresh engine processes); tokens/s per round: "

@@ -291,3 +291,60 @@ class GpuClockSampler:
                 why = (err or out).strip().splitlines()
                 self.summary["error"] = why[-1][:200] if why else f"nvidia-smi exited with {self._proc.returncode}"
         return False
+
+
+def _proc_stat(pid: int) -> tuple[str, int, float, int] | None:
+    """``(name, parent pid, user + system CPU seconds, CPU it last ran on)`` of a live process, from
+    ``/proc/PID/stat``; None if it is gone (or not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    name = text[text.index("(") + 1:text.rindex(")")]
+    rest = text[text.rindex(")") + 2:].split()       # fields from 3 (state) on
+    return name, int(rest[1]), (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK"), int(rest[36])
+
+
+def process_tree(root: int | None = None) -> dict[int, tuple[str, float, int]]:
+    """``pid -> (name, CPU seconds, last CPU)`` of ``root`` (default: this process) and every descendant."""
+    root = os.getpid() if root is None else root
+    stats = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            st = _proc_stat(int(entry))
+            if st is not None:
+                stats[int(entry)] = st
+    tree, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in stats and pid not in tree:
+            name, _, cpu, last = stats[pid]
+            tree[pid] = (name, cpu, last)
+            todo += [c for c, st in stats.items() if st[1] == pid]
+    return tree
+
+
+class TreeCpuMeter:
+    """``with TreeCpuMeter() as m: ...``: CPU seconds each process of this process's tree spent in the block
+    (``m.cpu_s``: ``"name[pid]" -> seconds``, processes alive at both ends) and the CPUs they last ran on
+    (``m.cpus``). An engine whose steps wait on its host loop shows that loop's process near one CPU second
+    per second of the block: whether a slow engine process does more host work per step or gets less of a
+    CPU is then in the numbers."""
+
+    def __enter__(self):
+        self._t0 = time.perf_counter()
+        self._start = process_tree()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall_s = time.perf_counter() - self._t0
+        end = process_tree()
+        self.cpu_s = {f"{name}[{pid}]": round(cpu - self._start[pid][1], 4)
+                      for pid, (name, cpu, _) in end.items() if pid in self._start}
+        self.cpus = {f"{name}[{pid}]": last for pid, (name, _, last) in end.items()}
+        return False
+
+    def busiest(self, n: int = 3) -> list[tuple[str, float]]:
+        """The ``n`` processes with the most CPU seconds in the block."""
+        return sorted(self.cpu_s.items(), key=lambda kv: -kv[1])[:n]

@@ -3,6 +3,7 @@ themselves need the GPU machine)."""
 
 import gzip
 import json
+import time
 
 import pytest
 
@@ -120,6 +121,9 @@ def test_run_sweep_reports_the_median_after_a_warmup():
     d = res["decode"]["1"]
     assert d["first_tok_s"] == 128.0 and d["runs_tok_s"] == [256.0, 64.0, 128.0] and d["tok_s"] == 128.0
     assert d["ms_per_step"] == pytest.approx(1e3 / 128.0, abs=1e-3)
+    # the host CPU of the engine's process tree over the measured runs (here: this process), per decode step
+    assert d["wall_ms_per_step"] >= 0 and d["host_cpu_ms_per_step"]
+    assert all(k.endswith("]") and v >= 0 for k, v in d["host_cpu_ms_per_step"].items())
     assert res["prefill"]["first_tok_s"] == pytest.approx(16 / 9.0, abs=0.1) and res["prefill"]["tok_s"] == 16.0
 
 
@@ -350,3 +354,41 @@ def test_rounds_run_each_configuration_again_and_report_the_median(tmp_path, mon
     cmds.clear()
     E.main(["run", "--out", str(tmp_path), "--models", "moe", "--configs", "ours", "--overwrite"])
     assert len(cmds) == 1 and not list(tmp_path.glob("vllm-moe-ours.round*.json"))
+
+
+def test_tree_cpu_meter_counts_a_busy_child_and_names_it():
+    """The engine runs its host loop in a child process (vLLM's EngineCore): the meter takes the CPU time of
+    the whole tree and tells which process spent it."""
+    import subprocess
+    import sys as _sys
+
+    from benchmarks.common import TreeCpuMeter, process_tree
+
+    child = subprocess.Popen([_sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 3: pass"])
+    try:
+        time.sleep(0.3)
+        assert child.pid in process_tree()
+        with TreeCpuMeter() as m:
+            time.sleep(0.8)
+        busy = [(k, v) for k, v in m.cpu_s.items() if k.endswith(f"[{child.pid}]")]
+        assert busy and busy[0][1] > 0.3, m.cpu_s          # ~0.8 s of CPU in 0.8 s of wall
+        assert m.busiest(1)[0][0].endswith(f"[{child.pid}]") and m.wall_s >= 0.8
+        assert f"[{child.pid}]" in "".join(m.cpus)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_report_names_the_host_loop_per_round():
+    d0 = {"tok_s": 500.0, "first_tok_s": 500.0, "ms_per_step": 2.0, "host_cpu_ms_per_step": {"EngineCore[12]": 1.9,
+                                                                                         "python3[10]": 0.4},
+          "wall_ms_per_step": 2.0}
+    d1 = dict(d0, tok_s=700.0, host_cpu_ms_per_step={"EngineCore[40]": 1.3}, wall_ms_per_step=1.4)
+    assert E.host_cpu_summary(d0) == "EngineCore 1.90 / 2.00 ms" and E.host_cpu_summary({"tok_s": 1.0}) is None
+    first = {"config": "ours", "engine": "vllm", "model": "moe", "decode": {"1": d0}}
+    merged = E.merge_rounds(first, [{"decode": {"1": d1}}])
+    assert merged["decode"]["1"]["rounds_host_cpu"] == ["EngineCore 1.90 / 2.00 ms", "EngineCore 1.30 / 1.40 ms"]
+    bf16 = {"config": "bf16", "engine": "vllm", "model": "moe", "decode": {"1": dict(d0, tok_s=650.0)}}
+    lines = E.checks([merged, bf16], "vllm", "moe")
+    assert ("host CPU per decode step at batch 1 (busiest process of the engine, CPU / wall): bf16 EngineCore "
+            "1.90 / 2.00 ms, ours EngineCore 1.90 / 2.00 ms; EngineCore 1.30 / 1.40 ms") in lines
