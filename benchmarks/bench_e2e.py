@@ -26,8 +26,8 @@ included), with fresh random prompts each run: a warm-up run (recorded: the firs
 must be as fast as later ones), then ``--repeats`` runs whose median is the number (all recorded:
 a small model's decode step is ~1 ms of GPU work, so the engine's host overhead makes single runs
 vary by up to ±30%; over the measured runs each batch also records the CPU time per decode step of the
-busiest processes of the engine's process tree, the host loop those steps wait on). Prefill: ``--prefill`` prompts (64 x 896 by default) generating one token,
-prompt tokens per second. With ``--profile-batches``, vLLM's torch profiler records decode steps
+busiest processes of the engine's process tree, the host loop those steps wait on). Prefill:
+``--prefill`` prompts (64 x 896 by default) generating one token, prompt tokens per second. With ``--profile-batches``, vLLM's torch profiler records decode steps
 of every configuration at those batch sizes, and full prefill steps (``max_num_batched_tokens``
 prompt tokens each): kernels by time per step and share, plus the host side (CUDA-graph and eager
 kernel launches per step, the share of the step the GPU was busy). With
