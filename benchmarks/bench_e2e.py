@@ -21,20 +21,19 @@ started as a user starts it (``vllm.LLM`` with vLLM's default start method, ``sg
             kernel launch through Triton's launch path, the A/B of the plugin's direct launches)
 
 Each measures decode throughput at every batch size of ``--batches`` (``--prompt-len`` prompt tokens,
-``--gen-len`` generated tokens with ``ignore_eos``; output tokens per second of wall time, prefill
-included), with fresh random prompts each run: a warm-up run (recorded: the first request of a shape
-must be as fast as later ones), then ``--repeats`` runs whose median is the number (all recorded:
-a small model's decode step is ~1 ms of GPU work, so the engine's host overhead makes single runs
-vary by up to ±30%; over the measured runs each batch also records the CPU time per decode step of the
-busiest processes of the engine's process tree, the host loop those steps wait on). Prefill:
-``--prefill`` prompts (64 x 896 by default) generating one token, prompt tokens per second. With ``--profile-batches``, vLLM's torch profiler records decode steps
-of every configuration at those batch sizes, and full prefill steps (``max_num_batched_tokens``
-prompt tokens each): kernels by time per step and share, plus the host side (CUDA-graph and eager
-kernel launches per step, the share of the step the GPU was busy). With
-``--serve``, ``vllm serve`` of ours and of the best built-in answers streaming completions from
-``--concurrency`` clients: tokens/s, time to first token and inter-token latency (p50 / p99). vLLM runs also
-record the worker's torch allocator counters over one extra prefill run (cudaMalloc retries synchronise the
-device: wall time the kernel profile does not show).
+``--gen-len`` generated tokens with ``ignore_eos``; output tokens per second of wall time, prefill included),
+with fresh random prompts each run: a warm-up run (recorded: the first request of a shape must be as fast as
+later ones), then ``--repeats`` runs whose median is the number (all recorded: a small model's decode step is
+~1 ms of GPU work, so the engine's host overhead makes single runs vary by up to ±30%; over the measured runs
+each batch also records the CPU time per decode step of the busiest processes of the engine's process tree,
+the host loop those steps wait on). Prefill: ``--prefill`` prompts (64 x 896 by default) generating one token,
+prompt tokens per second. With ``--profile-batches``, vLLM's torch profiler records decode steps of every
+configuration at those batch sizes, and full prefill steps (``max_num_batched_tokens`` prompt tokens each):
+kernels by time per step and share, plus the host side (CUDA-graph and eager kernel launches per step, the
+share of the step the GPU was busy). With ``--serve``, ``vllm serve`` of ours and of the best built-in answers
+streaming completions from ``--concurrency`` clients: tokens/s, time to first token and inter-token latency
+(p50 / p99). vLLM runs also record the worker's torch allocator counters over one extra prefill run
+(cudaMalloc retries synchronise the device: wall time the kernel profile does not show).
 
 Results: one JSON per configuration in DIR, ``e2e.md`` (tables, ratios, the floors of the
 end-to-end issue) and ``e2e.png`` (tokens/s against batch size).

@@ -53,6 +53,12 @@ def _tma_ready(x2: torch.Tensor) -> torch.Tensor:
     return x2 if _tma_ok(x2) else x2.clone(memory_format=torch.contiguous_format)
 
 
+def _unit_stride(v: torch.Tensor | None) -> torch.Tensor | None:
+    """``v``, or a contiguous copy of a strided view of a vector (every other entry...): the kernels index
+    offsets, indices, row scales and masks as contiguous vectors."""
+    return v if v is None or v.stride(0) == 1 else v.contiguous()
+
+
 def _without_gluon(cfg: W4Config) -> TritonWgmmaConfig:
     """The Triton-kernel config that stands in for a gluon one where Gluon cannot run."""
     return TritonWgmmaConfig(bn=128, bm=min(cfg.bm, 128), bk=cfg.bk, split_k=1, num_warps=8,
@@ -407,10 +413,8 @@ def w4_grouped(x: torch.Tensor, weight: PackedW4Weight, expert_offsets: torch.Te
     if row_scale is not None:
         check_tensor("row_scale", row_scale, dtypes=(torch.float32,), device=x.device)
         check_shape("row_scale", row_scale, (n_out,))
-    # the kernels index these as contiguous vectors: a strided view (every other entry...) is copied first
-    expert_offsets, gather_idx, scatter_idx, row_scale = (
-        t if t is None or t.stride(0) == 1 else t.contiguous() for t in (expert_offsets, gather_idx, scatter_idx,
-                                                                          row_scale))
+    expert_offsets, gather_idx, scatter_idx, row_scale = map(_unit_stride, (expert_offsets, gather_idx, scatter_idx,
+                                                                            row_scale))
     if out is None:
         alloc = torch.zeros if scatter_idx is not None else torch.empty
         out = alloc((n_out, n), dtype=x.dtype, device=x.device)
@@ -481,8 +485,7 @@ def w4_masked(x: torch.Tensor, weight: PackedW4Weight, mask: torch.Tensor, *, ou
     max_m = x.shape[1]
     check_tensor("mask", mask, dtypes=(torch.int32,), device=x.device)
     check_shape("mask", mask, (num_e,))
-    if mask.stride(0) != 1:          # (the kernels index it as a contiguous vector)
-        mask = mask.contiguous()
+    mask = _unit_stride(mask)
     if out is None:
         out = torch.empty((num_e, max_m, n), dtype=x.dtype, device=x.device)
     else:
