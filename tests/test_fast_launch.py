@@ -107,6 +107,29 @@ def test_anything_triton_specializes_on_takes_triton_s_path_again(gpu_free, monk
     assert k.log[-1][0] == "direct"
 
 
+def test_a_compile_outside_the_warm_up_is_logged(gpu_free, monkeypatch, caplog):
+    """A first launch that takes LATE_COMPILE_S or longer (a compile) is a warning naming the kernel, unless it
+    runs inside a layer's warm-up; quick first launches (Triton's caches) and direct launches are not."""
+    from nvfp4_plugin.triton import late_compile as LC
+    clock = iter(range(0, 1000, 1))                      # every perf_counter() call: one more second
+    monkeypatch.setattr(F.time, "perf_counter", lambda: float(next(clock)))
+    k = _Kernel()
+    fl = F.FastLaunch(k)
+    with caplog.at_level("WARNING", logger="nvfp4_plugin"):
+        with LC.warming_up(), LC.warming_up():           # nested: still warming after the inner one ends
+            fl[(1,)](_x(), 32, 1.0, BLOCK=128)
+        assert not caplog.records
+        with LC.warming_up():
+            pass
+        fl[(1,)](_x(), 32, 1.0, BLOCK=64)               # another constexpr: a first launch, 1 s long
+        fl[(1,)](_x(), 32, 1.0, BLOCK=64)               # direct
+        assert [e[0] for e in k.log] == ["triton", "triton", "direct"]
+        assert len(caplog.records) == 1 and "kernel k compiled outside the start-up warm-up (1.00 s" \
+            in caplog.records[0].getMessage()
+    assert not LC.note_first_launch(k, LC.LATE_COMPILE_S / 2)
+    assert LC._warming == 0
+
+
 def test_values_triton_does_not_specialize_on_share_the_kernel(gpu_free):
     k = _Kernel()
     fl = F.FastLaunch(k)

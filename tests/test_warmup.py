@@ -106,13 +106,14 @@ def _compiled_kernels() -> int:
 
 
 @pytest.mark.gpu
-def test_gpu_linear_compiles_nothing_after_warmup():
+def test_gpu_linear_compiles_nothing_after_warmup(caplog):
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     # a tuned H200 shape (Llama-3-8B qkv): Triton mma.sync / wgmma, Gluon and dequant + cuBLAS configs
     w = Nvfp4Weight.quantize(torch.randn(6144, 4096, device=dev, generator=g))
     layer = Nvfp4Linear(w)
     assert layer.backend.name == "hopper_triton"
+    caplog.set_level("WARNING", logger="nvfp4_plugin")
     layer.warmup(4096)
     before = _compiled_kernels()
     x = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
@@ -120,15 +121,17 @@ def test_gpu_linear_compiles_nothing_after_warmup():
         layer(x[:m])
     torch.cuda.synchronize()
     assert _compiled_kernels() == before
+    assert not [r for r in caplog.records if "compiled outside the start-up warm-up" in r.getMessage()]
 
 
 @pytest.mark.gpu
-def test_gpu_moe_compiles_nothing_after_warmup():
+def test_gpu_moe_compiles_nothing_after_warmup(caplog):
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)
     e, h, inter, top_k = 128, 2048, 768, 8                   # Qwen3-30B-A3B experts (tuned H200 shapes)
     layer = Nvfp4FusedMoE(Nvfp4Weight.quantize(torch.randn(e, 2 * inter, h, device=dev, generator=g)),
                           Nvfp4Weight.quantize(torch.randn(e, h, inter, device=dev, generator=g)))
+    caplog.set_level("WARNING", logger="nvfp4_plugin")
     layer.warmup(8192, top_k)
     before = _compiled_kernels()
     x = torch.randn(8192, h, device=dev, dtype=torch.bfloat16)
@@ -138,3 +141,4 @@ def test_gpu_moe_compiles_nothing_after_warmup():
         layer(x[:t], torch.full((t, top_k), 1.0 / top_k, device=dev), ids)
     torch.cuda.synchronize()
     assert _compiled_kernels() == before
+    assert not [r for r in caplog.records if "compiled outside the start-up warm-up" in r.getMessage()]

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from ..triton.late_compile import warming_up
 from ..weights import Nvfp4Weight
 from . import registry
 from .backends.flashinfer_fp4 import FlashInferLinear, FlashInferW4A16Linear
@@ -63,7 +64,7 @@ class _Layer:
         if not sizes:
             return
         t0 = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), warming_up():
             run = make_run(max(sizes))
             for m in sizes:
                 run(m)

@@ -16,11 +16,16 @@ value; Gluon tensor descriptors by element type, block
 shape, layout, padding and the divisibility of their shape and strides; plus the current device.
 Launch hooks (a Triton profiler), the CPU interpreter, a process without a CUDA device and Triton
 versions other than 3.6 take Triton's own path; so does every launch when ``NVFP4_PLUGIN_FAST_LAUNCH=0``.
+
+The first launch of a key goes through Triton, which compiles the kernel unless its caches hold it. Layers
+launch every kernel they can select while the engine starts (their warm-up); a first launch outside it that
+compiles is logged as a warning naming the kernel (:mod:`.late_compile`).
 """
 
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 import triton
@@ -28,6 +33,7 @@ from triton import knobs
 
 from .. import envs
 from ._runtime import interpreting
+from .late_compile import note_first_launch
 
 #: the launcher call below is Triton 3.6's (CompiledKernel.run(grid x3, stream, function, packed metadata,
 #: launch metadata, enter hook, exit hook, *every parameter)); other versions take Triton's path
@@ -164,9 +170,11 @@ class FastLaunch:
         except TypeError:            # an unhashable argument: Triton's own path
             return self.fn[grid](*args, **kwargs)
         if ck is None:
+            t0 = time.perf_counter()
             ck = self.fn[grid](*args, **kwargs)
             if hasattr(ck, "result"):
                 ck = ck.result()
+            note_first_launch(self.fn, time.perf_counter() - t0)
             # the interpreter returns no compiled kernel: nothing to launch directly
             if ck is not None and hasattr(ck, "packed_metadata"):
                 self.cache[key] = ck
