@@ -56,7 +56,7 @@ def _tma_ready(x2: torch.Tensor) -> torch.Tensor:
 def _unit_stride(v: torch.Tensor | None) -> torch.Tensor | None:
     """``v``, or a contiguous copy of a strided view of a vector (every other entry...): the kernels index
     offsets, indices, row scales and masks as contiguous vectors."""
-    return v if v is None or v.stride(0) == 1 else v.contiguous()
+    return None if v is None else v.contiguous()       # (contiguous() returns v itself when it already is)
 
 
 def _without_gluon(cfg: W4Config) -> TritonWgmmaConfig:

@@ -239,8 +239,7 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = N
     if not (x.is_cuda or rt.interpreting()) or x.dtype not in _GATHER_DTYPES or x.stride(1) != 1 \
             or out.stride(1) != 1:
         return torch.index_select(x, 0, idx, out=out)
-    if idx.stride(0) != 1:
-        idx = idx.contiguous()
+    idx = idx.contiguous()       # the kernel indexes it as a contiguous vector (a no-op when it is one)
     # a copy of 16-bit words (the interpreter has no bf16)
     xk, ok = (x.view(torch.int16), out.view(torch.int16)) if x.element_size() == 2 else (x, out)
     fast(_gather_rows_kernel)[(triton.cdiv(r, GATHER_BR),)](xk, idx, ok, r, h, x.stride(0), out.stride(0),

@@ -93,7 +93,7 @@ def _define(name: str, fn, fake, mutates_args=()):
 
 
 def _linear(x: torch.Tensor, bias: torch.Tensor | None, handle: torch.Tensor) -> torch.Tensor:
-    layer = lookup(handle.data_ptr())
+    layer = lookup(key_of(handle))
     return layer.backend.apply(layer.tensors, layer.meta, x, bias)
 
 
@@ -103,7 +103,7 @@ def _linear_fake(x, bias, handle):
 
 def _fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                handle: torch.Tensor) -> torch.Tensor:
-    layer = lookup(handle.data_ptr())
+    layer = lookup(key_of(handle))
     return layer.backend.apply(layer.tensors, layer.meta, x, topk_weights, topk_ids)
 
 
@@ -119,7 +119,7 @@ def _fused_moe_masked(x: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, ha
     """The masked layout of expert-parallel dispatch (see ``Nvfp4FusedMoE.forward_masked``): writes the
     rows ``r < mask[e]`` of ``out [E, max_m, H]`` and nothing else, so it mutates ``out`` (an engine's
     buffer) instead of returning a new tensor."""
-    layer = lookup(handle.data_ptr())
+    layer = lookup(key_of(handle))
     seen = (layer.backend.name, layer.spec)
     if seen not in _MASKED_LOGGED:       # once per shape, from inside the op: what actually ran
         _MASKED_LOGGED.add(seen)
