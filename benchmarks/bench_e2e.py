@@ -5,7 +5,7 @@
     python -m benchmarks.bench_e2e run --out DIR --engines vllm --models dense --configs ours marlin
     python -m benchmarks.bench_e2e run --out DIR --models moe --configs ours marlin --tp 2 --ep   # expert parallel
     python -m benchmarks.bench_e2e report DIR                    # table + plot from DIR's JSON results
-    python -m benchmarks.bench_e2e prebuild-sglang-jit           # SGLang's Marlin JIT kernels, ahead of `run`
+    python -m benchmarks.bench_e2e prebuild-sglang-jit           # SGLang's nvcc JIT kernels, ahead of `run`
     nvfp4-plugin bench e2e --out DIR ...                         # the same as `run`
 
 On the GPU machine, with the vLLM bundle (and, for `--engines sglang`, the SGLang bundle) on
@@ -150,10 +150,19 @@ SGLANG_MARLIN_JIT = (
     ("sglang.kernels.ops.quantization.gptq_marlin_repack", "_jit_gptq_marlin_repack_module", ()),
     ("sglang.kernels.ops.moe.moe_wna16_marlin", "_jit_moe_wna16_marlin_module", ("bfloat16", False, False)),
 )
+#: SGLang 0.5.17's nvcc JIT modules that every configuration first needs at its first request, after start-up:
+#: the decode positions' clamp (``forward_batch_info.init_new``; 7.4 s of nvcc on the H200, 2026-11-27). The
+#: cache is shared by every engine process of the machine, so without this the first configuration of a run
+#: pays it in its first-request number and the later ones do not.
+SGLANG_FIRST_USE_JIT = (
+    ("sglang.kernels.ops.attention.clamp_position", "_jit_clamp_position_module", ("int64",)),
+)
 
 
-def prebuild_sglang_jit() -> list[str]:
-    """Build SGLang's Marlin JIT modules into the cache the engine processes use, in parallel.
+def prebuild_sglang_jit(marlin: bool = True) -> list[str]:
+    """Build SGLang's nvcc JIT modules into the cache the engine processes use, in parallel: the ones every
+    configuration meets at its first request (:data:`SGLANG_FIRST_USE_JIT`), and with ``marlin`` the built-in
+    NVFP4 path's (:data:`SGLANG_MARLIN_JIT`).
 
     SGLang compiles them with nvcc on first use, which for the built-in NVFP4 path on Hopper is inside the
     engine's CUDA-graph capture at start-up: on the H200 (2026-11-27) the built-in dense configuration was
@@ -170,8 +179,9 @@ def prebuild_sglang_jit() -> list[str]:
 
     # imported here, one after the other: importing them from the build threads deadlocked on the package
     # import locks (H200, 2026-11-27); the builds themselves (nvcc, minutes each) then run in parallel
+    specs = SGLANG_FIRST_USE_JIT + (SGLANG_MARLIN_JIT if marlin else ())
     builders = {}
-    for mod, fn, _ in SGLANG_MARLIN_JIT:
+    for mod, fn, _ in specs:
         try:
             builders[mod, fn] = getattr(importlib.import_module(mod), fn)
         except Exception as exc:  # noqa: BLE001 - a later SGLang may have moved them; the engine then builds its own
@@ -188,8 +198,8 @@ def prebuild_sglang_jit() -> list[str]:
         except Exception as exc:  # noqa: BLE001
             return f"{mod}.{fn}{args}: not built ({type(exc).__name__}: {exc})"
 
-    with ThreadPoolExecutor(len(SGLANG_MARLIN_JIT)) as pool:
-        lines = list(pool.map(build, SGLANG_MARLIN_JIT))
+    with ThreadPoolExecutor(len(specs)) as pool:
+        lines = list(pool.map(build, specs))
     for line in lines:
         print(f"sglang jit: {line}", flush=True)
     return lines
@@ -422,9 +432,11 @@ def _sglang_worker(a, result: dict) -> None:
     import sglang
 
     _, quant, extra = CONFIGS["sglang"][a.config]
+    # log level "warning": SGLang's root logger carries the plugin's records in its processes, among them the
+    # late-compile warning (a kernel of ours compiled after start-up) that the first-request numbers hinge on
     kw = dict(model_path=a.model_path, random_seed=0, mem_fraction_static=a.mem_fraction,
               context_length=a.max_model_len, attention_backend="triton", sampling_backend="pytorch",
-              skip_tokenizer_init=True, log_level="error", **extra, **parallel_kwargs("sglang", a.tp, a.ep))
+              skip_tokenizer_init=True, log_level="warning", **extra, **parallel_kwargs("sglang", a.tp, a.ep))
     if quant:
         kw["quantization"] = quant
     t0 = time.perf_counter()
@@ -642,8 +654,8 @@ def run(a) -> int:
     env = plugin_env()
     par = parallel_tag(a.tp, a.ep)
     suffix = "" if par == "tp1" else f"-{par}"
-    if "sglang" in a.engines and "builtin" in (a.configs or default_configs("sglang")):
-        prebuild_sglang_jit()
+    if "sglang" in a.engines:
+        prebuild_sglang_jit(marlin="builtin" in (a.configs or default_configs("sglang")))
     for rnd, engine, model, config in ((rnd, engine, model, config) for rnd in range(a.rounds)
                                        for engine in a.engines for model in a.models
                                        for config in a.configs or default_configs(engine)):
@@ -1044,8 +1056,8 @@ def parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="only build the checkpoints")
     m.add_argument("--model-dir", default="/tmp/e2e-models")
     m.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    sub.add_parser("prebuild-sglang-jit", help="build SGLang's Marlin JIT kernels (its built-in NVFP4 on Hopper) "
-                   "into the cache the engine processes use; `run` does it too")
+    sub.add_parser("prebuild-sglang-jit", help="build SGLang's nvcc JIT kernels (its built-in NVFP4 on Hopper's Marlin, "
+                   "the first request's position clamp) into the cache the engine processes use; `run` does it too")
     p = sub.add_parser("report", help="tables and plot from a results folder")
     p.add_argument("out")
     return ap

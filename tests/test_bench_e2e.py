@@ -162,14 +162,19 @@ def test_prebuild_sglang_jit_imports_first_then_builds_each(tmp_path, monkeypatc
     (pkg / "mods.py").write_text("import threading\nIMPORTED_ON = threading.current_thread().name\nCALLS = []\n"
                                  "def build(*args):\n    CALLS.append(args)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(E, "SGLANG_FIRST_USE_JIT", (("fakejit.mods", "build", ("int64",)),))
     monkeypatch.setattr(E, "SGLANG_MARLIN_JIT", (("fakejit.mods", "build", ("bfloat16", False)),
                                                  ("fakejit.missing", "build", ())))
     lines = E.prebuild_sglang_jit()
     import torch
     mods = sys.modules["fakejit.mods"]
     assert mods.IMPORTED_ON == threading.current_thread().name
-    assert mods.CALLS == [(torch.bfloat16, False)]
-    assert "ready after" in lines[0] and lines[1].startswith("fakejit.missing.build(): not built (ModuleNotFoundError")
+    assert sorted(mods.CALLS, key=str) == [(torch.bfloat16, False), (torch.int64,)]
+    assert "ready after" in lines[0] and "ready after" in lines[1]
+    assert lines[2].startswith("fakejit.missing.build(): not built (ModuleNotFoundError")
+    # without the built-in configuration: only the modules every configuration's first request needs
+    mods.CALLS.clear()
+    assert len(E.prebuild_sglang_jit(marlin=False)) == 1 and mods.CALLS == [(torch.int64,)]
 
 
 def test_allocator_counters_around_a_prefill_run(tmp_path):
