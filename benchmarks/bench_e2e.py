@@ -30,9 +30,10 @@ the host loop those steps wait on). Prefill: ``--prefill`` prompts (64 x 896 by 
 prompt tokens per second. With ``--profile-batches``, vLLM's torch profiler records decode steps of every
 configuration at those batch sizes, and full prefill steps (``max_num_batched_tokens`` prompt tokens each):
 kernels by time per step and share, plus the host side (CUDA-graph and eager kernel launches per step, the
-share of the step the GPU was busy). With ``--serve``, ``vllm serve`` of ours and of the best built-in answers
-streaming completions from ``--concurrency`` clients: tokens/s, time to first token and inter-token latency
-(p50 / p99). vLLM runs also record the worker's torch allocator counters over one extra prefill run
+share of the step the GPU was busy). With ``--serve``, each engine's OpenAI server (``vllm serve``,
+``sglang.launch_server``) of ours and of that engine's best built-in answers one first request once it reports
+ready (recorded: what a user's first request meets), then streaming completions from ``--concurrency``
+clients: tokens/s, time to first token and inter-token latency (p50 / p99). vLLM runs also record the worker's torch allocator counters over one extra prefill run
 (cudaMalloc retries synchronise the device: wall time the kernel profile does not show).
 
 Results: one JSON per configuration in DIR, ``e2e.md`` (tables, ratios, the floors of the
@@ -550,7 +551,7 @@ def worker(a) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-# serving: streaming OpenAI clients against `vllm serve`
+# serving: streaming OpenAI clients against `vllm serve` / `sglang.launch_server`
 # ------------------------------------------------------------------------------------------------
 
 def stream_completion(port: int, prompt: list[int], max_tokens: int) -> dict:
@@ -581,9 +582,17 @@ def latency_stats(results: list[dict], wall: float) -> dict:
     def pct(v, q):
         return round(1e3 * statistics.quantiles(v, n=100, method="inclusive")[q - 1], 2) if len(v) > 1 else None
 
+    total = [r["chunk_times"][-1] for r in results if r["chunk_times"]]
     return {"tok_s": round(sum(r["tokens"] for r in results) / wall, 1), "requests": len(results),
             "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99), "itl_ms_p50": pct(itl, 50),
-            "itl_ms_p99": pct(itl, 99)}
+            "itl_ms_p99": pct(itl, 99), "request_ms_p50": pct(total, 50)}
+
+
+def first_request(r: dict) -> dict:
+    """The served engine's first request after it reported ready: TTFT and the whole request, ms."""
+    t = r["chunk_times"]
+    return {"ttft_ms": round(1e3 * t[0], 2) if t else None, "request_ms": round(1e3 * t[-1], 2) if t else None,
+            "tokens": r["tokens"]}
 
 
 def serve_bench(a, engine: str, model: str, config: str, model_path: Path, env: dict) -> dict:
@@ -593,8 +602,7 @@ def serve_bench(a, engine: str, model: str, config: str, model_path: Path, env: 
     _, quant, extra = CONFIGS[engine][config]
     args = [x for k, v in extra.items() for x in (f"--{k.replace('_', '-')}", str(v))]
     cmd = server_command(engine, str(model_path), a.port, quant, args, a.mem_fraction)
-    if engine == "vllm":
-        cmd[cmd.index("--max-model-len") + 1] = str(a.max_model_len)
+    cmd[cmd.index("--max-model-len" if engine == "vllm" else "--context-length") + 1] = str(a.max_model_len)
     res = {"engine": engine, "model": model, "config": config, "cmd": cmd, "concurrency": {}}
     log = open(Path(a.out) / f"serve-{engine}-{model}-{config}.log", "w")
     t0 = time.time()
@@ -608,6 +616,9 @@ def serve_bench(a, engine: str, model: str, config: str, model_path: Path, env: 
             time.sleep(2)
         res["startup_s"] = round(time.time() - t0, 1)
         prompts = Prompts(tokenizer_vocab(model_path), seed=1)
+        # what a user's first request meets once the server says it is ready (set against the requests of
+        # concurrency 1's measured phase: the same shape)
+        res["first_request"] = first_request(stream_completion(a.port, prompts(1, a.prompt_len)[0], a.gen_len))
         for c in a.concurrency:
             for phase in ("warmup", "measure"):
                 jobs = [prompts(1, a.prompt_len)[0] for _ in range(c * a.requests_per_client)]
@@ -692,14 +703,15 @@ def run(a) -> int:
                                                 "parallel": par, "error": f"timed out after {a.timeout} s"}))
         print(f"=== {engine} {model} {config} {par}: {time.time() - t:.0f} s", flush=True)
     if a.serve:
-        for model in a.serve_models or a.models:
-            best = best_builtin(load_results(out), "vllm", model)
-            for config in ("ours", best):
-                if config is None:
-                    continue
-                res_path = out / f"serve-vllm-{model}-{config}.json"
-                res = serve_bench(a, "vllm", model, config, paths[model][CONFIGS["vllm"][config][0]], env)
-                res_path.write_text(json.dumps(res, indent=1))
+        for engine in a.engines:
+            for model in a.serve_models or a.models:
+                best = best_builtin(load_results(out), engine, model)
+                for config in ("ours", best):
+                    if config is None:
+                        continue
+                    res_path = out / f"serve-{engine}-{model}-{config}.json"
+                    res = serve_bench(a, engine, model, config, paths[model][CONFIGS[engine][config][0]], env)
+                    res_path.write_text(json.dumps(res, indent=1))
     report(out)
     return 0
 
@@ -827,6 +839,17 @@ def checks(results: list[dict], engine: str, model: str) -> list[str]:
                          + ("; prefill " + " / ".join(f"{v:.0f}" for v in r["prefill"]["rounds_tok_s"])
                             if (r.get("prefill") or {}).get("rounds_tok_s") else ""))
     return lines
+
+
+def served_first_line(r: dict) -> list[str]:
+    """The served first request against concurrency 1's measured requests of the same shape (within 5%: PASS)."""
+    first, one = r.get("first_request"), (r.get("concurrency") or {}).get("1")
+    if not first or not first.get("request_ms") or not one or not one.get("request_ms_p50"):
+        return []
+    ratio = one["request_ms_p50"] / first["request_ms"]
+    return [f"{r.get('engine', 'vllm')} {r.get('model')} {r['config']}: first request after ready {first['request_ms']} ms "
+            f"(TTFT {first['ttft_ms']} ms) against {one['request_ms_p50']} ms at concurrency 1 "
+            f"({ratio:.2f} of its speed): {'PASS' if ratio >= 0.95 else 'MISS'}"]
 
 
 def idle_gap_line(gaps: dict | None, steps: int) -> list[str]:
@@ -958,15 +981,19 @@ def report(out: Path) -> str:
                 md += ["", *idle_gap_line(prof.get("idle_gaps"), prof.get("steps", 1))]
     serves = [r for r in results if "concurrency" in r]
     if serves:
-        md += ["## vllm serve, streaming clients", "",
-               "| model | config | concurrency | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |", "|---|---|---:|---:|---:|---:|"]
+        md += ["## Served (`vllm serve`, `sglang.launch_server`), streaming clients", "",
+               "| engine | model | config | concurrency | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | request p50 ms |",
+               "|---|---|---|---:|---:|---:|---:|---:|"]
+        firsts = []
         for r in serves:
+            eng = r.get("engine", "vllm")
             if r.get("error"):
-                md.append(f"| {r.get('model')} | {r['config']} | - | error: {r['error'][:200]} | | |")
+                md.append(f"| {eng} | {r.get('model')} | {r['config']} | - | error: {r['error'][:200]} | | | |")
             for c, s in r["concurrency"].items():
-                md.append(f"| {r.get('model')} | {r['config']} | {c} | {s['tok_s']:.0f} | {s['ttft_ms_p50']} / "
-                          f"{s['ttft_ms_p99']} | {s['itl_ms_p50']} / {s['itl_ms_p99']} |")
-        md.append("")
+                md.append(f"| {eng} | {r.get('model')} | {r['config']} | {c} | {s['tok_s']:.0f} | {s['ttft_ms_p50']} / "
+                          f"{s['ttft_ms_p99']} | {s['itl_ms_p50']} / {s['itl_ms_p99']} | {s.get('request_ms_p50', '-')} |")
+            firsts += served_first_line(r)
+        md += [""] + [f"- {line}" for line in firsts] + ([""] if firsts else [])
     text = "\n".join(md)
     (out / "e2e.md").write_text(text)
     plot(runs, out / "e2e.png")
@@ -1032,7 +1059,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     r.add_argument("--configs", nargs="+", default=None, help="subset of each engine's configurations")
     r.add_argument("--profile-batches", type=int, nargs="*", default=[1, 8, 64])
-    r.add_argument("--serve", action="store_true", help="also vllm serve + streaming clients (ours, best built-in)")
+    r.add_argument("--serve", action="store_true",
+                   help="also each engine's OpenAI server (vllm serve, sglang.launch_server) with streaming clients: "
+                        "ours and the engine's best built-in, the first request after ready recorded")
     r.add_argument("--serve-models", nargs="+", default=None, choices=list(MODELS), help="default: --models")
     r.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
     r.add_argument("--requests-per-client", type=int, default=2)

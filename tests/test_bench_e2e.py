@@ -93,6 +93,71 @@ def test_latency_stats():
     s = E.latency_stats(rs, wall=1.0)
     assert s["tok_s"] == 5.0 and s["requests"] == 2
     assert s["ttft_ms_p50"] == pytest.approx(200.0) and s["itl_ms_p50"] == pytest.approx(10.0)
+    assert s["request_ms_p50"] == pytest.approx(220.0)
+    assert E.first_request(rs[0]) == {"ttft_ms": 100.0, "request_ms": 120.0, "tokens": 3}
+
+
+def test_served_first_request_verdict_and_table(tmp_path):
+    def served(engine, config, first_ms, p50_ms):
+        return {"engine": engine, "model": "moe", "config": config, "startup_s": 90.0,
+                "first_request": {"ttft_ms": 20.0, "request_ms": first_ms, "tokens": 256},
+                "concurrency": {"1": {"tok_s": 800.0, "requests": 2, "ttft_ms_p50": 15.0, "ttft_ms_p99": 16.0,
+                                      "itl_ms_p50": 1.2, "itl_ms_p99": 1.5, "request_ms_p50": p50_ms}}}
+    ok, slow = served("sglang", "ours", 330.0, 320.0), served("sglang", "builtin", 1500.0, 380.0)
+    assert E.served_first_line(ok)[0].endswith("(0.97 of its speed): PASS")
+    assert E.served_first_line(slow)[0].startswith("sglang moe builtin: first request after ready 1500.0 ms (TTFT 20.0 ms)")
+    assert E.served_first_line(slow)[0].endswith("MISS")
+    assert E.served_first_line({"config": "ours", "concurrency": {}}) == []      # older results: no line
+    for r in (ok, slow):
+        (tmp_path / f"serve-sglang-moe-{r['config']}.json").write_text(json.dumps(r))
+    text = E.report(tmp_path)
+    assert "| sglang | moe | ours | 1 | 800 | 15.0 / 16.0 | 1.2 / 1.5 | 320.0 |" in text
+    assert "- sglang moe ours: first request after ready 330.0 ms" in text
+
+
+def test_serve_runs_each_engines_server_with_its_context_flag(tmp_path, monkeypatch):
+    """--serve starts each engine's own server (ours and that engine's best built-in), the context length
+    under the engine's own flag; a server that exits before it is healthy is a result with an error."""
+    import sys
+    import types
+
+    from integration.serve_check import server_command
+
+    served = []
+    monkeypatch.setattr(E, "build_models", lambda d, models: {m: {"bf16": d / "b", "nvfp4": d / "q"} for m in models})
+    monkeypatch.setattr(E, "plugin_env", lambda: {})
+    monkeypatch.setattr(E, "report", lambda out: "")
+    monkeypatch.setattr(E, "prebuild_sglang_jit", lambda marlin=True: [])
+    monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: None)
+    monkeypatch.setattr(E, "serve_bench", lambda a, engine, model, config, path, env:
+                        served.append((engine, model, config, path.name)) or {"engine": engine, "config": config})
+    (tmp_path / "sglang-moe-builtin.json").write_text(json.dumps(_result("builtin", {1: 600}, engine="sglang",
+                                                                         model="moe")))
+    E.main(["run", "--out", str(tmp_path), "--engines", "sglang", "--models", "moe", "--configs", "ours",
+            "--serve"])
+    assert served == [("sglang", "moe", "ours", "q"), ("sglang", "moe", "builtin", "q")]
+    assert sorted(p.name for p in tmp_path.glob("serve-*.json")) == ["serve-sglang-moe-builtin.json",
+                                                                   "serve-sglang-moe-ours.json"]
+    # the command: SGLang's server with the run's context length; it exits at once -> an error result
+    monkeypatch.undo()
+    cmds = []
+
+    class Dead:
+        def __init__(self, cmd, **kw):
+            cmds.append(cmd)
+
+        def poll(self):
+            return 1
+
+    monkeypatch.setattr(E.subprocess, "Popen", Dead)
+    monkeypatch.setitem(sys.modules, "serve_check", types.SimpleNamespace(
+        healthy=lambda port: False, stop_server=lambda proc: None, server_command=server_command))
+    a = E.parser().parse_args(["run", "--out", str(tmp_path), "--engines", "sglang", "--max-model-len", "1536"])
+    res = E.serve_bench(a, "sglang", "moe", "ours", tmp_path, {})
+    assert res["error"].startswith("server not healthy (exit 1)")
+    cmd = cmds[0]
+    assert "sglang.launch_server" in cmd and cmd[cmd.index("--context-length") + 1] == "1536"
+    assert cmd[cmd.index("--quantization") + 1] == "nvfp4"
 
 
 def test_prompts_are_fresh_and_inside_the_vocabulary(tmp_path):
