@@ -33,8 +33,9 @@ kernels by time per step and share, plus the host side (CUDA-graph and eager ker
 share of the step the GPU was busy). With ``--serve``, each engine's OpenAI server (``vllm serve``,
 ``sglang.launch_server``) of ours and of that engine's best built-in answers one first request once it reports
 ready (recorded: what a user's first request meets), then streaming completions from ``--concurrency``
-clients: tokens/s, time to first token and inter-token latency (p50 / p99). vLLM runs also record the worker's torch allocator counters over one extra prefill run
-(cudaMalloc retries synchronise the device: wall time the kernel profile does not show).
+clients: tokens/s, time to first token and inter-token latency (p50 / p99). vLLM runs also record the
+worker's torch allocator counters over one extra prefill run (cudaMalloc retries synchronise the device: wall
+time the kernel profile does not show).
 
 Results: one JSON per configuration in DIR, ``e2e.md`` (tables, ratios, the floors of the
 end-to-end issue) and ``e2e.png`` (tokens/s against batch size).
