@@ -602,8 +602,7 @@ def serve_bench(a, engine: str, model: str, config: str, model_path: Path, env: 
 
     _, quant, extra = CONFIGS[engine][config]
     args = [x for k, v in extra.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-    cmd = server_command(engine, str(model_path), a.port, quant, args, a.mem_fraction)
-    cmd[cmd.index("--max-model-len" if engine == "vllm" else "--context-length") + 1] = str(a.max_model_len)
+    cmd = server_command(engine, str(model_path), a.port, quant, args, a.mem_fraction, a.max_model_len)
     res = {"engine": engine, "model": model, "config": config, "cmd": cmd, "concurrency": {}}
     log = open(Path(a.out) / f"serve-{engine}-{model}-{config}.log", "w")
     t0 = time.time()
@@ -704,9 +703,10 @@ def run(a) -> int:
                                                 "parallel": par, "error": f"timed out after {a.timeout} s"}))
         print(f"=== {engine} {model} {config} {par}: {time.time() - t:.0f} s", flush=True)
     if a.serve:
+        results = load_results(out)          # the engine runs' results: each engine's best built-in per model
         for engine in a.engines:
             for model in a.serve_models or a.models:
-                best = best_builtin(load_results(out), engine, model)
+                best = best_builtin(results, engine, model)
                 for config in ("ours", best):
                     if config is None:
                         continue

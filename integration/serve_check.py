@@ -28,17 +28,19 @@ LOGPROB_PROMPT = "One, two, three, four, five, six, seven, eight, nine, ten"
 
 
 def server_command(engine: str, model: str, port: int, quantization: str | None, extra: list[str],
-                   mem_fraction: float = 0.5) -> list[str]:
+                   mem_fraction: float = 0.5, max_len: int = 1024) -> list[str]:
+    """The engine's OpenAI server on ``port``, serving ``model`` as "m" with contexts of ``max_len`` tokens."""
     py = sys.executable
     if engine == "vllm":
         cmd = [py, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", str(port), "--host", "127.0.0.1",
-               "--max-model-len", "1024", "--gpu-memory-utilization", str(mem_fraction), "--served-model-name", "m"]
+               "--max-model-len", str(max_len), "--gpu-memory-utilization", str(mem_fraction),
+               "--served-model-name", "m"]
         if quantization:
             cmd += ["--quantization", quantization]
     else:
         cmd = [py, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port), "--host", "127.0.0.1",
                "--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", str(mem_fraction),
-               "--served-model-name", "m", "--context-length", "1024"]
+               "--served-model-name", "m", "--context-length", str(max_len)]
         if quantization:
             cmd += ["--quantization", quantization]
     return cmd + extra

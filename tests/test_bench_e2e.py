@@ -158,6 +158,8 @@ def test_serve_runs_each_engines_server_with_its_context_flag(tmp_path, monkeypa
     cmd = cmds[0]
     assert "sglang.launch_server" in cmd and cmd[cmd.index("--context-length") + 1] == "1536"
     assert cmd[cmd.index("--quantization") + 1] == "nvfp4"
+    vllm = server_command("vllm", "M", 8000, None, [], 0.5, 1536)
+    assert vllm[vllm.index("--max-model-len") + 1] == "1536" and "--quantization" not in vllm
 
 
 def test_prompts_are_fresh_and_inside_the_vocabulary(tmp_path):
