@@ -143,7 +143,7 @@ void silu_and_mul_scaled_fp4_experts_quant(const at::Tensor& input, const at::Te
         "silu_and_mul_scaled_fp4_experts_quant");
 }
 
-void silu_and_mul(const at::Tensor& input, at::Tensor& output) {
+void silu_and_mul(const at::Tensor& input, at::Tensor& output, int64_t table) {
   TORCH_CHECK(input.is_cuda() && input.dim() >= 1, "input: expected a CUDA tensor");
   expect(input, "input", input);
   const int64_t width = input.size(-1);
@@ -153,7 +153,7 @@ void silu_and_mul(const at::Tensor& input, at::Tensor& output) {
   const c10::cuda::CUDAGuard guard(input.device());
   const int64_t rows = width ? input.numel() / width : 0;
   check(nvq::silu_and_mul(act_dtype(input, "input"), input.data_ptr(), output.data_ptr(), rows, width / 2,
-                          num_sms(input), current_stream()),
+                          table < 0 ? -1 : (table > 0 ? 1 : 0), num_sms(input), current_stream()),
         "silu_and_mul");
 }
 
@@ -251,7 +251,7 @@ TORCH_LIBRARY_FRAGMENT(nvfp4_plugin, m) {
         "Tensor blockscale_offsets, Tensor(a!) output, Tensor(b!) output_scale) -> ()");
   m.def("silu_and_mul_scaled_fp4_experts_quant(Tensor input, Tensor global_scale, Tensor mask, "
         "bool use_silu_and_mul, bool zero_fill, Tensor(a!) output, Tensor(b!) output_scale) -> ()");
-  m.def("silu_and_mul(Tensor input, Tensor(a!) output) -> ()");
+  m.def("silu_and_mul(Tensor input, Tensor(a!) output, int table=-1) -> ()");
   m.def("scaled_fp8_quant_static(Tensor input, Tensor scale, Tensor(a!) output) -> ()");
   m.def("scaled_fp8_quant_dynamic(Tensor input, Tensor(a!) output, Tensor(b!) scale) -> ()");
   m.def("per_token_quant_fp8(Tensor input, Tensor(a!) output, Tensor(b!) scale) -> ()");

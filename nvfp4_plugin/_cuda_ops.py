@@ -203,6 +203,14 @@ def silu_and_mul(input: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def silu_and_mul_into(x: torch.Tensor, out: torch.Tensor, table: int = -1) -> torch.Tensor:
+    """:func:`silu_and_mul` of a contiguous, 16-byte aligned CUDA ``x [R, 2I]`` into a contiguous ``out [R, I]``
+    of its dtype, for callers that checked both (the MoE glue) and whose rows are whole 16-byte chunks. ``table``:
+    the bf16 SiLU lookup table where it pays (-1), never (0), always (1): the same bits either way."""
+    _ops().silu_and_mul(x, out, table)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # FP8 E4M3
 # ------------------------------------------------------------------------------------------------

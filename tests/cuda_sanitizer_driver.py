@@ -108,7 +108,11 @@ def main() -> int:
     done.append("silu_and_mul_scaled_fp4_experts_quant")
 
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        ops.silu_and_mul(act(33, 2 * 64, dtype, 3))
+        ops.silu_and_mul(act(33, 2 * 64, dtype, 3))      # 16-value units
+        ops.silu_and_mul(act(33, 2 * 24, dtype, 3))      # 8-value units (I % 16 != 0)
+    from nvfp4_plugin import _cuda_ops
+    x = act(33, 2 * 64, torch.bfloat16, 3)
+    _cuda_ops.silu_and_mul_into(x, torch.empty(33, 64, dtype=x.dtype, device="cuda"), 1)   # the bf16 SiLU table
     done.append("silu_and_mul")
 
     for dtype in (torch.bfloat16, torch.float16, torch.float32):

@@ -45,9 +45,10 @@ cudaError_t nvfp4_quant_masked(ActDType dt, const void* input, const float* glob
                                uint8_t* out, uint8_t* scales, int num_experts, int64_t max_m, int64_t k,
                                bool silu_and_mul, bool zero_fill, int num_sms, cudaStream_t stream);
 
-// silu(x[..., :I]) * x[..., I:] rounded to the input dtype: input [rows, 2I], out [rows, I].
-cudaError_t silu_and_mul(ActDType dt, const void* input, void* out, int64_t rows, int64_t inner, int num_sms,
-                         cudaStream_t stream);
+// silu(x[..., :I]) * x[..., I:] rounded to the input dtype: input [rows, 2I], out [rows, I]. `table`: the bf16
+// SiLU lookup table (I % 16 == 0) when < 0 at sizes that amortize its fill, 0 never, > 0 always (tests, benchmarks).
+cudaError_t silu_and_mul(ActDType dt, const void* input, void* out, int64_t rows, int64_t inner, int table,
+                         int num_sms, cudaStream_t stream);
 
 // ---- FP8 E4M3 -----------------------------------------------------------------------------------
 // Per-tensor with a given decode scale [1]: q = e4m3(x * (1/scale)) (0 where scale == 0).

@@ -960,6 +960,44 @@ __global__ void __launch_bounds__(kThreads) silu_and_mul_kernel(const T* __restr
   }
 }
 
+// SiLU-and-mul alone, 16 values per unit (inner % 16 == 0): the masked kernels' block routine, so the
+// bf16 table and the guarded SiLU are the same code as there (PERF_NOTES.md, "SiLU-and-mul alone").
+struct SiluUnit {
+  int64_t in, out;  // element offsets of the unit's gate and of its output
+};
+__device__ __forceinline__ SiluUnit silu_unit(uint32_t u, int32_t inner, FastDiv blocks_div) {
+  const int32_t row = int32_t(fdiv(blocks_div, u));
+  const int64_t col = int64_t(int32_t(u) - row * (inner / 16)) * 16;
+  return SiluUnit{int64_t(row) * 2 * inner + col, int64_t(row) * inner + col};
+}
+
+template <typename T, bool TABLE>
+__global__ void __launch_bounds__(kThreads) silu_and_mul16_kernel(const T* __restrict__ in, T* __restrict__ out,
+                                                                  int32_t inner, uint32_t units, FastDiv blocks_div) {
+  pdl_enter();
+  extern __shared__ float silu_smem[];  // [kSiluTab] with TABLE
+  const Slice sl = cta_slice(units);
+  if constexpr (TABLE) {
+    // no memory traffic flows during the fill: each thread's first two units go to L2 first
+    for (uint32_t u = sl.begin + threadIdx.x; u < min(sl.end, sl.begin + 2 * blockDim.x); u += blockDim.x) {
+      const T* p = in + silu_unit(u, inner, blocks_div).in;
+      prefetch_l2(p);
+      prefetch_l2(p + inner);
+    }
+    silu_tab_fill(silu_smem);
+    __syncthreads();
+  }
+  for (uint32_t u = sl.begin + threadIdx.x; u < sl.end; u += blockDim.x) {
+    const SiluUnit su = silu_unit(u, inner, blocks_div);
+    MaskedRaw<T, true> raw;
+    load_masked_raw<T, true>(in + su.in, inner, raw);
+    uint4 c[kChunksPerBlock16<T>];
+    masked_block16_tab<T, true, TABLE>(raw, c, silu_smem);
+#pragma unroll
+    for (int i = 0; i < kChunksPerBlock16<T>; ++i) st16(out + su.out + i * Chunk<T>::kElems, c[i]);
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // Launchers
 // ------------------------------------------------------------------------------------------------
@@ -1161,8 +1199,32 @@ cudaError_t launch_masked_dispatch(const void* input, const float* gs, const int
                    : launch_masked<T, false, false>(input, gs, mask, out, sf, num_experts, max_m, k, num_sms, stream);
 }
 
+// The bf16 SiLU table once each thread has kSiluTabUnits units to amortize its share of the fill
+// (32 SiLUs per thread); `table` < 0 decides so, 0 never takes it, > 0 whenever the dtype has one.
+constexpr uint64_t kSiluTabUnits = 4;
+
 template <typename T>
-cudaError_t launch_silu(const void* input, void* out, int64_t rows, int64_t inner, int num_sms, cudaStream_t stream) {
+cudaError_t launch_silu16(const T* in, T* out, int64_t rows, int64_t inner, int table, int num_sms,
+                          cudaStream_t stream) {
+  const uint64_t units = uint64_t(rows) * uint64_t(inner / 16);
+  if (units > kMaxUnits) return cudaErrorInvalidValue;
+  constexpr bool kTabOk = std::is_same<T, __nv_bfloat16>::value;
+  constexpr size_t kTab = kSiluTab * sizeof(float);
+  auto plain = silu_and_mul16_kernel<T, false>;
+  auto tab = silu_and_mul16_kernel<T, kTabOk>;
+  static const int per_sm[2] = {resident_ctas(plain), kTabOk ? resident_ctas(tab, kTab) : 1};
+  const bool use_tab =
+      kTabOk && (table > 0 || (table < 0 && units >= kSiluTabUnits * kThreads * gpu_ctas(num_sms, per_sm[1])));
+  return launch_kernel(use_tab ? tab : plain, grid_for(units, num_sms, per_sm[use_tab]), kThreads,
+                       use_tab ? kTab : 0, stream, true, in, out, int32_t(inner), uint32_t(units),
+                       make_fastdiv(uint32_t(inner / 16)));
+}
+
+template <typename T>
+cudaError_t launch_silu(const void* input, void* out, int64_t rows, int64_t inner, int table, int num_sms,
+                        cudaStream_t stream) {
+  if (inner % 16 == 0)
+    return launch_silu16<T>(static_cast<const T*>(input), static_cast<T*>(out), rows, inner, table, num_sms, stream);
   constexpr int kE = Chunk<T>::kElems;
   const uint64_t units = uint64_t(rows) * uint64_t(inner / kE);
   if (units > kMaxUnits || inner % kE != 0) return cudaErrorInvalidValue;
@@ -1206,11 +1268,11 @@ cudaError_t nvfp4_quant_masked(ActDType dt, const void* input, const float* glob
                                              zero_fill, num_sms, stream));
 }
 
-cudaError_t silu_and_mul(ActDType dt, const void* input, void* out, int64_t rows, int64_t inner, int num_sms,
-                         cudaStream_t stream) {
+cudaError_t silu_and_mul(ActDType dt, const void* input, void* out, int64_t rows, int64_t inner, int table,
+                         int num_sms, cudaStream_t stream) {
   if (rows < 0 || inner < 0) return cudaErrorInvalidValue;
   if (rows == 0 || inner == 0) return cudaSuccess;
-  NVQ_DISPATCH_ACT(dt, T, launch_silu<T>(input, out, rows, inner, num_sms, stream));
+  NVQ_DISPATCH_ACT(dt, T, launch_silu<T>(input, out, rows, inner, table, num_sms, stream));
 }
 
 }  // namespace nvq
