@@ -34,9 +34,11 @@ the layer (ours, vLLM's bf16) and the two grouped GEMMs under the selected confi
 tiles, beside ``torch._grouped_mm`` on the same weights in bf16; burst (about 30 ms of replays on a rested
 GPU) and sustained (after 1.5 s of load) µs per call. Short CUDA-graph timings rank kernels at boost clock; served prefill runs at the cap.
 
-``--glue-shapes`` times the row gather (ours against ``torch.index_select``) and the SiLU-mul kernel under
-several launch shapes at each ``--tokens`` count instead (``triton.testing.do_bench``, outputs checked
-bit-equal), beside a plain copy of the SiLU-mul's bytes: how the glue's launch shapes were chosen.
+``--glue-shapes`` times the routing under several block sizes, the row gather (ours against
+``torch.index_select``) and the row spread (each token's row read once, written to its top-k rows) under
+several launch shapes, and SiLU-mul (the Triton kernel's launch shapes; the compiled kernel with its bf16
+SiLU table forced off, on, and by its size rule) at each ``--tokens`` count instead (``triton.testing.do_bench``,
+outputs checked bit-equal), beside a plain copy of the SiLU-mul's bytes: how the glue's shapes were chosen.
 
 The peer is vLLM's Triton ``fused_experts`` on the same weights dequantized to bf16 (what ``--dtype bf16``
 serves); without vLLM its columns say why. ``--smoke`` runs a tiny shape without the peer, on the GPU or,
@@ -328,6 +330,10 @@ def host_profile(model: dict, tokens: int, device, calls: int = 30, top: int = 2
 #: (rows per program, columns per pass, warps) of the row gather, and (rows, columns, warps) of the SiLU-mul
 #: kernel, that --glue-shapes times
 GATHER_SHAPES = tuple((br, bh, nw) for br in (4, 8, 16) for bh in (512, 1024, 2048) for nw in (4, 8))
+#: (tokens per program, columns per pass, warps) of the row spread, and the routing block sizes, that --glue-shapes
+#: times
+SPREAD_SHAPES = tuple((bt, bh, nw) for bt in (1, 2, 4, 8) for bh in (1024, 2048) for nw in (4, 8))
+ROUTE_BLOCKS = (64, 128, 256, 512, 1024, 2048)
 SILU_SHAPES = ((16, 256, 4), (32, 256, 4), (32, 256, 8), (8, 256, 4), (8, 512, 4), (16, 512, 8), (4, 1024, 4),
                (8, 1024, 8), (64, 128, 8), (32, 128, 4), (16, 128, 4))
 
@@ -358,8 +364,33 @@ def glue_shapes(model: dict, tokens: list[int], device: str = "cuda") -> str:
         want = x.index_select(0, idx)
         out = torch.empty_like(want)
         gbytes = 2 * r * h * x.element_size()
-        row(t, "gather", "torch.index_select", lambda: torch.index_select(x, 0, idx, out=out), gbytes)
         xk, ok = x.view(torch.int16), out.view(torch.int16)
+        for blk in ROUTE_BLOCKS:
+            cur = blk == (MG.ROUTE_BLOCK_SMALL if MG.route_class(r) == 1 else MG.ROUTE_BLOCK)
+            got, sel = moe_routing(ids, e, block=blk), moe_routing(ids, e)
+            if any(not torch.equal(got[n], sel[n]) for n in sel):
+                raise AssertionError(f"routing block={blk}: not the selected routing's result")
+            # a CUDA graph of the call (its launches take longer on the host than its kernels on the GPU)
+            us = time_calls([lambda blk=blk: moe_routing(ids, e, block=blk)]) * 1e6
+            md.append(f"| {t} | routing | blocks of {blk} pairs"
+                      f"{' (selected)' if cur and r > MG.ROUTE_KERNEL_MAX_ROWS else ''} (CUDA graph) | {us:.1f} | - |")
+            print(md[-1], flush=True)
+        if r <= MG.ROUTE_KERNEL_MAX_ROWS:
+            us = time_calls([lambda: moe_routing(ids, e)]) * 1e6
+            md.append(f"| {t} | routing | one program (selected) (CUDA graph) | {us:.1f} | - |")
+            print(md[-1], flush=True)
+        row(t, "gather", "torch.index_select", lambda: torch.index_select(x, 0, idx, out=out), gbytes)
+        pos = moe_routing(ids, e)["pair_pos"]
+        out.zero_()
+        MG.spread_rows(x, pos, out=out)
+        if not torch.equal(out.view(torch.int16), want.view(torch.int16)):
+            raise AssertionError("spread_rows: not index_select's rows")
+        for bt, bh, nw in SPREAD_SHAPES:
+            def spread(bt=bt, bh=bh, nw=nw):
+                MG._spread_rows_kernel[(triton.cdiv(t, bt),)](xk, pos, ok, t, h, x.stride(0), out.stride(0), TOP_K=k,
+                                                              BT=bt, BH=bh, num_warps=nw)
+            cur = " (selected)" if (bt, bh, nw) == (MG.SPREAD_BT, MG.SPREAD_BH, MG.SPREAD_WARPS) else ""
+            row(t, "spread", f"BT={bt} BH={bh} num_warps={nw}{cur}", spread, (r + t) * h * x.element_size())
         for br, bh, nw in GATHER_SHAPES:
             def gather(br=br, bh=bh, nw=nw):
                 MG._gather_rows_kernel[(triton.cdiv(r, br),)](xk, idx, ok, r, h, x.stride(0), out.stride(0), BR=br,
@@ -368,13 +399,22 @@ def glue_shapes(model: dict, tokens: list[int], device: str = "cuda") -> str:
             gather()
             if not torch.equal(out.view(torch.int16), want.view(torch.int16)):
                 raise AssertionError(f"gather BR={br} BH={bh} num_warps={nw}: not index_select's rows")
-            cur = " (selected)" if (br, bh, nw) == (MG.GATHER_BR, MG.GATHER_BH, MG.GATHER_WARPS) else ""
+            cur = " (gather_rows)" if (br, bh, nw) == (MG.GATHER_BR, MG.GATHER_BH, MG.GATHER_WARPS) else ""
             row(t, "gather", f"BR={br} BH={bh} num_warps={nw}{cur}", gather, gbytes)
         hm = torch.randn(r, 2 * inter, device=device, dtype=torch.bfloat16)
         ref = silu_and_mul(hm)
         so = torch.empty_like(ref)
         sbytes = r * 3 * inter * hm.element_size()
         row(t, "silu_mul", "silu_and_mul (selected)", lambda: silu_and_mul(hm, out=so), sbytes)
+        from nvfp4_plugin import _cuda_ops
+        compiled = ((0, "computed SiLU"), (1, "bf16 SiLU table"), (-1, "table by the size rule")) \
+            if MG._compiled_kernels_run_on(hm.device) else ()
+        for tab, what in compiled:
+            so.zero_()
+            _cuda_ops.silu_and_mul_into(hm, so, tab)
+            if not torch.equal(so.view(torch.int16), ref.view(torch.int16)):
+                raise AssertionError(f"compiled silu_mul table={tab}: not silu_and_mul's bits")
+            row(t, "silu_mul", f"compiled, {what}", lambda tab=tab: _cuda_ops.silu_and_mul_into(hm, so, tab), sbytes)
         for br, bi, nw in SILU_SHAPES:
             def silu(br=br, bi=bi, nw=nw):
                 MG._silu_mul_kernel[(triton.cdiv(r, br), triton.cdiv(inter, bi))](

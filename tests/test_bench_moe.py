@@ -70,11 +70,16 @@ def test_glue_shapes_times_every_shape_and_checks_its_output(monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup, rep: calls.append(fn()) or 1.0)
     monkeypatch.setattr(M, "GATHER_SHAPES", M.GATHER_SHAPES[:2] + ((8, 1024, 4),))
     monkeypatch.setattr(M, "SILU_SHAPES", M.SILU_SHAPES[:2])
+    monkeypatch.setattr(M, "SPREAD_SHAPES", M.SPREAD_SHAPES[:1] + ((2, 2048, 4),))
+    monkeypatch.setattr(M, "ROUTE_BLOCKS", (64, 256))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     md = M.glue_shapes(dict(E=4, top_k=2, H=96, I=40), [3], device=dev)
-    assert len(calls) == 1 + 3 + 1 + 2 + 1
-    assert "| 3 | gather | BR=8 BH=1024 num_warps=4 (selected) | 1000.0 |" in md
-    assert md.count("| 3 | silu_mul |") == 3 and "| 3 | copy |" in md
+    compiled = 3 if dev == "cuda" else 0        # the compiled SiLU-mul's rows need the extension on a GPU
+    assert len(calls) == 1 + 3 + 2 + 1 + 2 + compiled + 1           # routing rows take time_calls
+    assert "| 3 | routing | blocks of 64 pairs (CUDA graph) |" in md and "| 3 | routing | one program (selected)" in md
+    assert "| 3 | gather | BR=8 BH=1024 num_warps=4 (gather_rows) | 1000.0 |" in md
+    assert "| 3 | spread | BT=2 BH=2048 num_warps=4 (selected) |" in md
+    assert md.count("| 3 | silu_mul |") == 3 + compiled and "| 3 | copy |" in md
 
 
 @pytest.mark.gpu

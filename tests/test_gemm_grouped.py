@@ -173,8 +173,26 @@ def test_masked_w4a4():
         assert ulp_error(y[e, :valid].cpu(), xd.double() @ wd[e].cpu().t(), dtype, "masked_w4a4") <= 2
 
 
+def test_grouped_gather_pos_checks():
+    num_e, n, k, tokens, top_k = 3, 64, 64, 5, 2
+    p = prepack(make_weight((num_e,), n, k, seed=3), torch.bfloat16)
+    pair, offsets, token, _ = routing(tokens, num_e, top_k, seed=4)
+    x = act((tokens, k), torch.bfloat16, seed=5)
+    pos = torch.empty_like(pair)
+    pos[pair.long()] = torch.arange(pair.numel(), dtype=pair.dtype, device=pair.device)
+    with pytest.raises(ValueError, match="gather_pos: given without gather_idx"):
+        w4_grouped(x, p, offsets, gather_pos=pos)
+    with pytest.raises(ValueError, match="gather_pos"):
+        w4_grouped(x, p, offsets, gather_idx=token, gather_pos=pos[:-1])
+    with pytest.raises(ValueError, match="a multiple of x's 3 rows"):
+        w4_grouped(x[:3], p, offsets, gather_idx=token, gather_pos=pos)
+    # the inverse index only changes how rows are copied: the same output
+    assert torch.equal(w4_grouped(x, p, offsets, gather_idx=token, gather_pos=pos),
+                       w4_grouped(x, p, offsets, gather_idx=token))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 16, 64, 300])
+@pytest.mark.parametrize("tokens", [1, 16, 64, 300, 1024])
 def test_gpu_grouped_moe_shapes(tokens):
     num_e, top_k, h, inter = 16, 4, 1024, 384
     dtype = torch.bfloat16
@@ -192,6 +210,10 @@ def test_gpu_grouped_moe_shapes(tokens):
     assert ulp_error(down.cpu(), y_ref2, dtype, "gpu_grouped") <= 2
     up_g = graph_replay(lambda: w4_grouped(x, p13, offsets, gather_idx=token))
     assert torch.equal(up_g, up)
+    # routing's inverse index (the Gluon tiles copy each token's row once to its top-k rows): the same bytes
+    pos = torch.empty_like(pair)
+    pos[pair.long()] = torch.arange(pair.numel(), dtype=pair.dtype, device=pair.device)
+    assert torch.equal(graph_replay(lambda: w4_grouped(x, p13, offsets, gather_idx=token, gather_pos=pos)), up)
 
 
 @pytest.mark.gpu

@@ -26,33 +26,49 @@ def test_routing_kernel_equals_stable_sort(t, top_k, e, dtype, invalid):
     ids = _ids(t, top_k, e, seed=t, invalid=invalid).to(dtype).to(DEV)
     got = G.moe_routing(ids, e)
     want = G._routing_torch(ids.reshape(-1).to(torch.int64), e, top_k)
-    for name in ("expert_offsets", "gather_idx", "scatter_idx"):
+    for name in ("expert_offsets", "gather_idx", "scatter_idx", "pair_pos"):
         assert torch.equal(got[name].cpu(), want[name].cpu()), name
     flat = ids.reshape(-1).cpu().long()
     counts = torch.stack([(flat == x).sum() for x in range(e)])
     assert torch.equal(want["expert_offsets"].cpu()[1:].long(), counts.cumsum(0))
 
 
-@pytest.mark.parametrize("t,top_k,e,invalid", [
-    (G.ROUTE_KERNEL_MAX_ROWS // 4 + 1, 4, 32, False),          # just past the one-program kernel
-    (1300, 8, 128, True),                                      # 10400 pairs: a partial last block
-    (G.ROUTE_BLOCK_SMALL * 4, 6, 6, True),                     # whole blocks, E + 1 not a power of two
-    (G.ROUTE_BLOCK_SPLIT // 8 + 3, 8, 128, True)])             # large blocks (route_class 2)
-def test_routing_blocks_equal_stable_sort(t, top_k, e, invalid):
+@pytest.mark.parametrize("t,top_k,e,invalid,split", [
+    (G.ROUTE_KERNEL_MAX_ROWS // 4 + 1, 4, 32, False, None),    # just past the one-program kernel
+    (300, 8, 128, True, None),                                 # 2400 pairs: a partial last block
+    (G.ROUTE_BLOCK_SMALL * 4, 6, 6, True, None),               # whole blocks, E + 1 not a power of two
+    (300, 8, 128, True, 1024)])                                # large blocks (route_class 2; the split lowered
+def test_routing_blocks_equal_stable_sort(t, top_k, e, invalid, split, monkeypatch):     # for the interpreter)
     """Beyond ROUTE_KERNEL_MAX_ROWS pairs the per-block counting sort (histograms, scan, placement): the
     same bytes as the stable sort, ids outside [0, E) last."""
+    if split:
+        monkeypatch.setattr(G, "ROUTE_BLOCK_SPLIT", split)
     assert t * top_k > G.ROUTE_KERNEL_MAX_ROWS
-    assert G.route_class(t * top_k) == (2 if t * top_k > G.ROUTE_BLOCK_SPLIT else 1)
+    assert G.route_class(t * top_k) == (2 if split else 1)
     ids = _ids(t, top_k, e, seed=t, invalid=invalid).to(DEV)
     if invalid:
         ids[t // 2, 1], ids[t // 3, 0] = -5, e + 3
     got = G.moe_routing(ids, e)
     want = G._routing_torch(ids.reshape(-1).to(torch.int64), e, top_k)
-    for name in ("expert_offsets", "gather_idx", "scatter_idx"):
+    for name in ("expert_offsets", "gather_idx", "scatter_idx", "pair_pos"):
         assert torch.equal(got[name].cpu(), want[name].cpu()), name
     valid = int(((ids >= 0) & (ids < e)).sum())
     assert int(got["expert_offsets"][-1]) == valid
     assert (valid < ids.numel()) == invalid
+
+
+@pytest.mark.parametrize("block", [G.ROUTE_MIN_BLOCK, 512, 4096])
+def test_routing_any_block_size_equals_stable_sort(block):
+    # the benchmarks' block sizes: partial last blocks, a block wider than all pairs, scan tiles part-filled
+    t, top_k, e = 333, 8, 128
+    ids = _ids(t, top_k, e, seed=block, invalid=True).to(DEV)
+    got = G.moe_routing(ids, e, block=block)
+    want = G._routing_torch(ids.reshape(-1).to(torch.int64), e, top_k)
+    for name in ("expert_offsets", "gather_idx", "scatter_idx", "pair_pos"):
+        assert torch.equal(got[name].cpu(), want[name].cpu()), (block, name)
+    assert torch.equal(want["scatter_idx"].long()[want["pair_pos"].long()], torch.arange(t * top_k, device=DEV))
+    with pytest.raises(ValueError, match="block: expected a power of two >= 64, got 100"):
+        G.moe_routing(ids, e, block=100)
 
 
 def test_routing_reads_wide_int64_ids_as_invalid():
@@ -63,7 +79,7 @@ def test_routing_reads_wide_int64_ids_as_invalid():
         big = ids.repeat(t // 40 + 1, 1)[:t] if t > 40 else ids
         got = G.moe_routing(big, 8)
         want = G._routing_torch(big.reshape(-1), 8, 4)
-        for name in ("expert_offsets", "gather_idx", "scatter_idx"):
+        for name in ("expert_offsets", "gather_idx", "scatter_idx", "pair_pos"):
             assert torch.equal(got[name].cpu(), want[name].cpu()), (t, name)
 
 
@@ -79,7 +95,7 @@ def test_gpu_routing_equals_stable_sort_every_class(pairs):
         ids = torch.randint(-1, e + 1, (t, top_k), generator=g, dtype=torch.int32).cuda()
         got = G.moe_routing(ids, e)
         want = G._routing_torch(ids.reshape(-1).to(torch.int64), e, top_k)
-        for name in ("expert_offsets", "gather_idx", "scatter_idx"):
+        for name in ("expert_offsets", "gather_idx", "scatter_idx", "pair_pos"):
             assert torch.equal(got[name], want[name]), (pairs, rep, name)
 
 
@@ -134,10 +150,60 @@ def test_gather_rows_checks_its_arguments():
         G.gather_rows(x[:0], torch.zeros(2, dtype=torch.int32, device=DEV))
 
 
+@pytest.mark.parametrize("t,top_k,h,dtype", [(1, 8, 16, torch.bfloat16), (37, 4, 200, torch.bfloat16),
+                                             (9, 8, 2048, torch.float16), (5, 3, 1100, torch.bfloat16),
+                                             (6, 2, 40, torch.float32)])
+def test_spread_rows_is_the_routed_gather(t, top_k, h, dtype):
+    # each token's row to its top-k sorted positions: the rows gather_rows copies with routing's gather_idx
+    # (partial last token block, two whole column passes (2 SPREAD_BH) and a partial one, odd widths)
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, h, generator=g).to(dtype).to(DEV)
+    r = G.moe_routing(_ids(t, top_k, 16, seed=t).to(DEV), 16)
+    want = G.gather_rows(x, r["gather_idx"])
+    got = G.spread_rows(x, r["pair_pos"])
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    out = torch.full_like(want, 7)
+    assert G.spread_rows(x, r["pair_pos"], out=out) is out and torch.equal(out, want)
+
+
+def test_spread_rows_checks_its_arguments():
+    x = torch.zeros(3, 8, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="pair_pos: expected a multiple of x's 3 rows"):
+        G.spread_rows(x, torch.zeros(4, dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match="out"):
+        G.spread_rows(x, torch.zeros(6, dtype=torch.int32, device=DEV), out=torch.empty(5, 8, dtype=torch.bfloat16,
+                                                                                      device=DEV))
+    assert G.spread_rows(x[:0], torch.zeros(0, dtype=torch.int32, device=DEV)).shape == (0, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("table", [0, 1, -1])
+def test_gpu_compiled_silu_and_mul_table_is_bit_exact(table):
+    # the compiled kernel the MoE glue takes on the GPU, its bf16 lookup table forced on and off and left to
+    # the size rule: every bf16 gate pattern (all 65536, NaN included) against every 16th up pattern, and a
+    # prefill-sized call that takes the table by itself
+    from nvfp4_plugin import _cuda_ops
+
+    gates = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    ups = torch.arange(0, 65536, 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    i = 1024
+    x = torch.cat([gates.view(-1, i), ups.repeat(16).view(-1, i)], 1)          # 64 rows of [gate | up]
+    g = torch.Generator().manual_seed(2)
+    big = (torch.randn(32768, 2 * 768, generator=g) * torch.logspace(-2, 1, 2 * 768)).to(torch.bfloat16)
+    big[::97, 5] = _special_values(torch.bfloat16).repeat(16)[: big[::97].shape[0]]     # blocks off the table
+    for inp in (x, big):
+        got = _cuda_ops.silu_and_mul_into(inp.cuda(), torch.empty(inp.shape[0], inp.shape[1] // 2,
+                                                                  dtype=inp.dtype, device="cuda"), table).cpu()
+        want = nx.silu_and_mul_fp32(inp)
+        same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+        assert same.all(), (table, inp.shape, got[~same][:8], want[~same][:8])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_silu_and_mul_is_bit_exact(dtype):
+@pytest.mark.parametrize("i", [72, 80])                     # 80: whole 16-value blocks (the compiled kernel on GPUs)
+def test_silu_and_mul_is_bit_exact(dtype, i):
     g = torch.Generator().manual_seed(1)
-    r, i = 37, 72
+    r = 37
     x = (torch.randn(r, 2 * i, generator=g) * torch.logspace(-3, 2, 2 * i)).to(dtype)
     sv = _special_values(dtype)
     x[0, : len(sv)] = sv                                    # gates

@@ -101,7 +101,8 @@ def _compiled_kernels() -> int:
     fns = [triton_w4.w4_gemm_kernel, triton_w4.w4_dequant_kernel, triton_w4.fp4_act_decode_kernel,
            gluon_w4.w4_wgmma_kernel, gluon_w4.w4_splitk_reduce_kernel, moe_glue._route_kernel,
            moe_glue._route_hist_kernel, moe_glue._route_scan_kernel, moe_glue._route_block_place_kernel,
-           moe_glue._silu_mul_kernel, moe_glue._combine_kernel, moe_glue._gather_rows_kernel]
+           moe_glue._silu_mul_kernel, moe_glue._combine_kernel, moe_glue._gather_rows_kernel,
+           moe_glue._spread_rows_kernel]
     return sum(len(c[0]) for f in fns for c in f.device_caches.values())
 
 

@@ -378,6 +378,7 @@ def _m_split(cfg: W4Config, rows: int, experts: int) -> int:
 
 def w4_grouped(x: torch.Tensor, weight: PackedW4Weight, expert_offsets: torch.Tensor, *,
                gather_idx: torch.Tensor | None = None, scatter_idx: torch.Tensor | None = None,
+               gather_pos: torch.Tensor | None = None,
                row_scale: torch.Tensor | None = None, num_out_rows: int | None = None,
                out: torch.Tensor | None = None, mode: str = "w4a16", input_global_scale: torch.Tensor | None = None,
                config: W4Config | None = None) -> torch.Tensor:
@@ -388,6 +389,11 @@ def w4_grouped(x: torch.Tensor, weight: PackedW4Weight, expert_offsets: torch.Te
     expert_offsets: int32 ``[E+1]`` cumulative row offsets on the device (``expert_offsets[0] == 0``;
                     rows past ``expert_offsets[E]`` are ignored). Never read on the host.
     scatter_idx:    int32 ``[R]``: row r is written to ``out[scatter_idx[r]]`` (else ``out[r]``).
+    gather_pos:     with ``gather_idx`` from routing (``R = T * top_k``, row r reads token
+                    ``gather_idx[r]``), its inverse: pair ``p = t * top_k + j`` (token t) is row
+                    ``gather_pos[p]`` (routing's ``pair_pos``). Where the kernel needs the rows copied
+                    into expert order first, the copy then reads each token's row once instead of
+                    once per pair (:func:`.moe_glue.spread_rows`).
     row_scale:      fp32 ``[num_out_rows]``: output row d is multiplied by ``row_scale[d]`` (in fp32,
                     before rounding), e.g. the flattened top-k weights with ``scatter_idx = pair id``.
     num_out_rows:   rows of the output (default R, the number of logical rows = len(gather_idx) or T).
@@ -409,6 +415,14 @@ def w4_grouped(x: torch.Tensor, weight: PackedW4Weight, expert_offsets: torch.Te
     if scatter_idx is not None:
         check_tensor("scatter_idx", scatter_idx, dtypes=(torch.int32,), device=x.device)
         check_shape("scatter_idx", scatter_idx, (rows,))
+    if gather_pos is not None:
+        if gather_idx is None:
+            raise ValueError("gather_pos: given without gather_idx (it is gather_idx's inverse)")
+        check_tensor("gather_pos", gather_pos, dtypes=(torch.int32,), ndim=1, device=x.device)
+        check_shape("gather_pos", gather_pos, (rows,))
+        if rows and (x.shape[0] == 0 or rows % x.shape[0]):
+            raise ValueError(f"gather_pos: expected tokens x top_k rows, a multiple of x's {x.shape[0]} rows, "
+                             f"got {rows}")
     n_out = rows if num_out_rows is None else int(num_out_rows)
     if row_scale is not None:
         check_tensor("row_scale", row_scale, dtypes=(torch.float32,), device=x.device)
@@ -449,7 +463,8 @@ def w4_grouped(x: torch.Tensor, weight: PackedW4Weight, expert_offsets: torch.Te
             if gather_idx is not None:
                 # TMA cannot gather rows: copy them into expert order first (at the row counts the Gluon
                 # configs are tuned for, the copy costs far less than the Triton kernel's gather loads)
-                x = moe_glue.gather_rows(x, gather_idx)
+                x = (moe_glue.gather_rows(x, gather_idx) if gather_pos is None
+                     else moe_glue.spread_rows(x, gather_pos))
             g.launch_grouped(1, _tma_ready(x), weight, out, cfg, expert_offsets, _dummy(x.device), m=rows, m_split=ms,
                              scatter=scatter_idx, row_scale=row_scale, act_scale=act_scale)
             return out
@@ -553,7 +568,7 @@ def w4_fused_moe(x: torch.Tensor, w13: PackedW4Weight, w2: PackedW4Weight, topk_
         raise ValueError(f"w2: expected [E, {h}, {w13.layout.n // 2}], got N={w2.layout.n}, K={w2.layout.k}")
     r = moe_routing(topk_ids, num_e)
     kw13 = dict(mode=mode, input_global_scale=a13_global_scale) if mode == "w4a4" else {}
-    hmid = w4_grouped(x, w13, r["expert_offsets"], gather_idx=r["gather_idx"], **kw13)
+    hmid = w4_grouped(x, w13, r["expert_offsets"], gather_idx=r["gather_idx"], gather_pos=r["pair_pos"], **kw13)
     act = silu_and_mul(hmid)
     kw2 = dict(mode=mode, input_global_scale=a2_global_scale) if mode == "w4a4" else {}
     # every (token, slot) row is written once (pairs routed outside [0, E) excepted, which the
