@@ -1,8 +1,11 @@
 """Logging set-up for engine processes: our records go to stderr beside the engine's own.
 
-Library code only logs to ``logging.getLogger("nvfp4_plugin")``; the engine adapters call
+Library code only logs to ``logging.getLogger("nvfp4_plugin")``. The vLLM adapter calls
 :func:`configure_for_engine` at registration so that a served model's log names the method and the
-backend chosen. ``NVFP4_PLUGIN_LOG_LEVEL`` (default ``INFO``) sets the level.
+backend chosen; ``NVFP4_PLUGIN_LOG_LEVEL`` (default ``INFO``) sets the level there. The SGLang adapter
+does not: SGLang configures the root logger of its processes, and our records go through it, at
+SGLang's ``--log-level`` (at ``error`` the plugin's warnings, e.g. a kernel compiled after start-up,
+are hidden).
 """
 
 from __future__ import annotations

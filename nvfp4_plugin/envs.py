@@ -76,8 +76,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "(cute-dsl needs nvidia-cutlass-dsl, cudnn a cuDNN backend >= 9.23.1); read when a layer's weights are "
            "prepared and when its kernel families are described"),
     EnvVar(LOG_LEVEL, "a logging level name (DEBUG, INFO, WARNING, ...; any case)", "INFO", "plugin",
-           "level of the plugin's log lines inside engine processes; read when an engine adapter sets up "
-           "logging (once per process)"),
+           "level of the plugin's log lines inside vLLM's processes (in SGLang they follow its --log-level); "
+           "read when the vLLM adapter sets up logging (once per process)"),
     EnvVar(GEMM_CONFIG_DIR, "a directory of tuned Hopper GEMM configs (<device>.json, written by "
            "benchmarks/tune_gemm.py)", "the package's nvfp4_plugin/gemm/configs/", "plugin",
            "read when a device's config table is first loaded (then cached for the process)"),
