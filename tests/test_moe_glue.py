@@ -151,11 +151,12 @@ def test_gather_rows_checks_its_arguments():
 
 
 @pytest.mark.parametrize("t,top_k,h,dtype", [(1, 8, 16, torch.bfloat16), (37, 4, 200, torch.bfloat16),
-                                             (9, 8, 2048, torch.float16), (5, 3, 1100, torch.bfloat16),
+                                             (9, 8, 4096, torch.float16), (5, 3, 2100, torch.bfloat16),
                                              (6, 2, 40, torch.float32)])
 def test_spread_rows_is_the_routed_gather(t, top_k, h, dtype):
     # each token's row to its top-k sorted positions: the rows gather_rows copies with routing's gather_idx
-    # (partial last token block, two whole column passes (2 SPREAD_BH) and a partial one, odd widths)
+    # (a partial last token block, two whole column passes (h = 2 SPREAD_BH), a whole and a partial one, odd
+    # widths; then the torch fallback for a column-strided out)
     g = torch.Generator().manual_seed(t)
     x = torch.randn(t, h, generator=g).to(dtype).to(DEV)
     r = G.moe_routing(_ids(t, top_k, 16, seed=t).to(DEV), 16)
@@ -164,6 +165,8 @@ def test_spread_rows_is_the_routed_gather(t, top_k, h, dtype):
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     out = torch.full_like(want, 7)
     assert G.spread_rows(x, r["pair_pos"], out=out) is out and torch.equal(out, want)
+    strided = torch.empty((h, t * top_k), dtype=dtype, device=DEV).t()
+    assert _same_bytes(G.spread_rows(x, r["pair_pos"], out=strided), want)
 
 
 def test_spread_rows_checks_its_arguments():

@@ -221,6 +221,24 @@ def _gather_rows_kernel(x_ptr, idx_ptr, out_ptr, R, H, stride_x, stride_o, BR: t
 _GATHER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def _copy_out(x: torch.Tensor, rows: int, out: torch.Tensor | None) -> torch.Tensor:
+    """The row copies' output: ``out`` checked (``[rows, H]`` of x's dtype), or allocated."""
+    if out is None:
+        return torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
+    check_tensor("out", out, dtypes=(x.dtype,), device=x.device)
+    check_shape("out", out, (rows, x.shape[1]))
+    return out
+
+
+def _copy_operands(x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(x, out)`` as the row-copy kernels take them (2-byte types as 16-bit words: the interpreter has no bf16),
+    or None where torch copies instead (no GPU or interpreter, other dtypes, strided rows)."""
+    if not (x.is_cuda or rt.interpreting()) or x.dtype not in _GATHER_DTYPES or x.stride(1) != 1 \
+            or out.stride(1) != 1:
+        return None
+    return (x.view(torch.int16), out.view(torch.int16)) if x.element_size() == 2 else (x, out)
+
+
 def gather_rows(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``out[r] = x[idx[r]]`` for int32 ``idx [R]`` (a copy: bit-exact), the same as ``x.index_select(0, idx)``;
     on the GPU one kernel of 16-byte loads and stores. Values of ``idx`` must lie in ``[0, x.shape[0])``: they
@@ -228,28 +246,22 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = N
     check_tensor("x", x, ndim=2)
     check_tensor("idx", idx, dtypes=(torch.int32,), ndim=1, device=x.device)
     r, h = idx.shape[0], x.shape[1]
-    if out is None:
-        out = torch.empty((r, h), dtype=x.dtype, device=x.device)
-    else:
-        check_tensor("out", out, dtypes=(x.dtype,), device=x.device)
-        check_shape("out", out, (r, h))
+    out = _copy_out(x, r, out)
     if r == 0 or h == 0:
         return out
     if x.shape[0] == 0:
         raise ValueError(f"x: no rows to gather from, but idx has {r} entries")
-    if not (x.is_cuda or rt.interpreting()) or x.dtype not in _GATHER_DTYPES or x.stride(1) != 1 \
-            or out.stride(1) != 1:
+    ops = _copy_operands(x, out)
+    if ops is None:
         return torch.index_select(x, 0, idx, out=out)
     idx = idx.contiguous()       # the kernel indexes it as a contiguous vector (a no-op when it is one)
-    # a copy of 16-bit words (the interpreter has no bf16)
-    xk, ok = (x.view(torch.int16), out.view(torch.int16)) if x.element_size() == 2 else (x, out)
-    fast(_gather_rows_kernel)[(triton.cdiv(r, GATHER_BR),)](xk, idx, ok, r, h, x.stride(0), out.stride(0),
+    fast(_gather_rows_kernel)[(triton.cdiv(r, GATHER_BR),)](ops[0], idx, ops[1], r, h, x.stride(0), out.stride(0),
                                                           BR=GATHER_BR, BH=GATHER_BH, num_warps=GATHER_WARPS)
     return out
 
 
 #: tokens per program, columns per pass and warps of :func:`spread_rows` (``bench_moe --glue-shapes``, Qwen3's top-8
-#: rows of H=2048: 22.0 / 172.4 µs at 2048 / 16384 tokens against the gather's 23.7 / 234.0; moe_h200.md)
+#: rows of H=2048: 22.7 / 170.5 µs at 2048 / 16384 tokens against the gather's 24.1 / 233.6; moe_h200.md)
 SPREAD_BT = 2
 SPREAD_BH = 2048
 SPREAD_WARPS = 4
@@ -281,20 +293,15 @@ def spread_rows(x: torch.Tensor, pair_pos: torch.Tensor, out: torch.Tensor | Non
     if (t == 0 and r) or (t and r % t):
         raise ValueError(f"pair_pos: expected a multiple of x's {t} rows (tokens x top_k), got {r}")
     top_k = r // t if t else 0
-    if out is None:
-        out = torch.empty((r, h), dtype=x.dtype, device=x.device)
-    else:
-        check_tensor("out", out, dtypes=(x.dtype,), device=x.device)
-        check_shape("out", out, (r, h))
+    out = _copy_out(x, r, out)
     if r == 0 or h == 0:
         return out
-    if not (x.is_cuda or rt.interpreting()) or x.dtype not in _GATHER_DTYPES or x.stride(1) != 1 \
-            or out.stride(1) != 1:
+    ops = _copy_operands(x, out)
+    if ops is None:
         return out.index_copy_(0, pair_pos.long(), x.repeat_interleave(top_k, 0))
     pair_pos = pair_pos.contiguous()
-    xk, ok = (x.view(torch.int16), out.view(torch.int16)) if x.element_size() == 2 else (x, out)
-    fast(_spread_rows_kernel)[(triton.cdiv(t, SPREAD_BT),)](xk, pair_pos, ok, t, h, x.stride(0), out.stride(0),
-                                                           TOP_K=top_k, BT=SPREAD_BT, BH=SPREAD_BH,
+    fast(_spread_rows_kernel)[(triton.cdiv(t, SPREAD_BT),)](ops[0], pair_pos, ops[1], t, h, x.stride(0),
+                                                           out.stride(0), TOP_K=top_k, BT=SPREAD_BT, BH=SPREAD_BH,
                                                            num_warps=SPREAD_WARPS)
     return out
 
