@@ -86,7 +86,7 @@ def test_routing_reads_wide_int64_ids_as_invalid():
 @pytest.mark.gpu
 @pytest.mark.parametrize("pairs", [257, 10_000, 40_000])
 def test_gpu_routing_equals_stable_sort_every_class(pairs):
-    # the barrier-ordered cursor updates of the placement kernels on real hardware (the interpreter runs a
+    # the compiled sort, scan and placement of every routing class on real hardware (the interpreter runs a
     # program's threads in lockstep): the same bytes as the stable sort, call after call
     g = torch.Generator().manual_seed(pairs)
     top_k, e = 8, 128
