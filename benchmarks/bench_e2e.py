@@ -27,7 +27,8 @@ later ones), then ``--repeats`` runs whose median is the number (all recorded: a
 ~1 ms of GPU work, so the engine's host overhead makes single runs vary by up to ±30%; over the measured runs
 each batch also records the CPU time per decode step of the busiest processes of the engine's process tree,
 the host loop those steps wait on). Prefill: ``--prefill`` prompts (64 x 896 by default) generating one token,
-prompt tokens per second. With ``--profile-batches``, vLLM's torch profiler records decode steps of every
+prompt tokens per second, the median of ``--prefill-repeats`` runs after a warm-up run (7 by default: single
+prefill runs of vLLM's offline engine spread by 20-25%). With ``--profile-batches``, vLLM's torch profiler records decode steps of every
 configuration at those batch sizes, and full prefill steps (``max_num_batched_tokens`` prompt tokens each):
 kernels by time per step and share, plus the host side (CUDA-graph and eager kernel launches per step, the
 share of the step the GPU was busy). With ``--serve``, each engine's OpenAI server (``vllm serve``,
@@ -485,7 +486,7 @@ def run_sweep(result: dict, timed, a) -> None:
     # prefill is power-bound: the clock it ran at is part of the result (sampled over the prefill runs and the
     # prefill-shape runs after them: a few seconds)
     with GpuClockSampler() as clocks:
-        runs = [timed(n, length, 1) for _ in range(1 + a.repeats)]
+        runs = [timed(n, length, 1) for _ in range(1 + a.prefill_repeats)]
         rates = [n * length / dt for _, dt in runs]
         result["prefill"] = {"first_tok_s": round(rates[0], 1), "tok_s": round(statistics.median(rates[1:]), 1),
                              "runs_tok_s": [round(r, 1) for r in rates[1:]], "prompts": n, "prompt_len": length}
@@ -495,7 +496,7 @@ def run_sweep(result: dict, timed, a) -> None:
         result["prefill_shapes"] = {}
         for shape in a.prefill_shapes:
             n, length = parse_shape(shape)
-            runs = [timed(n, length, 1)[1] for _ in range(1 + a.repeats)]
+            runs = [timed(n, length, 1)[1] for _ in range(1 + a.prefill_repeats)]
             ms = 1e3 * statistics.median(runs[1:])
             result["prefill_shapes"][shape] = {"ms_per_run": round(ms, 2), "first_ms": round(1e3 * runs[0], 2),
                                                "tok_s": round(n * length / ms * 1e3, 1)}
@@ -689,7 +690,8 @@ def run(a) -> int:
                "--gen-len", str(a.gen_len), "--prefill", *map(str, a.prefill),
                "--prefill-shapes", *a.prefill_shapes,
                "--mem-fraction", str(a.mem_fraction), "--max-model-len", str(a.max_model_len),
-               "--repeats", str(a.repeats), "--tp", str(a.tp)] + (["--ep"] if a.ep else [])
+               "--repeats", str(a.repeats), "--prefill-repeats", str(a.prefill_repeats),
+               "--tp", str(a.tp)] + (["--ep"] if a.ep else [])
         if a.profile_batches and engine == "vllm" and rnd == 0:
             cmd += ["--profile-batches", *map(str, a.profile_batches)]
         print(f"=== {engine} {model} {config} {par}" + (f" round {rnd}" if rnd else ""), flush=True)
@@ -1049,7 +1051,11 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--mem-fraction", type=float, default=0.85)
         p.add_argument("--max-model-len", type=int, default=2048)
         p.add_argument("--repeats", type=int, default=3,
-                       help="measured runs per shape after the warm-up run (the median is reported)")
+                       help="measured decode runs per batch size after the warm-up run (the median is reported)")
+        p.add_argument("--prefill-repeats", type=_positive_int, default=7,
+                       help="measured runs of the prefill and of each prefill shape after the warm-up run: a "
+                            "prefill run is a fraction of a second, and single runs of vLLM's offline engine "
+                            "spread by 20-25%%")
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per engine)")
         p.add_argument("--ep", action="store_true", help="expert parallel over the --tp ranks (MoE layers)")
 

@@ -176,8 +176,8 @@ def test_run_sweep_reports_the_median_after_a_warmup():
     times = iter([2.0, 1.0, 4.0, 2.0,      # batch 1: warm-up, then three runs (256 tokens each)
                   9.0, 1.0, 1.0, 1.0,        # prefill: warm-up + three
                   0.5, 0.02, 0.03, 0.01])    # prefill shape 4x100: warm-up + three
-    a = argparse.Namespace(batches=[1], prompt_len=4, gen_len=256, prefill=[2, 8], repeats=3, engine="vllm",
-                           model="dense", config="ours", prefill_shapes=["4x100"])
+    a = argparse.Namespace(batches=[1], prompt_len=4, gen_len=256, prefill=[2, 8], repeats=3, prefill_repeats=3,
+                           engine="vllm", model="dense", config="ours", prefill_shapes=["4x100"])
     res = {}
     shapes = []
     E.run_sweep(res, lambda n, length, gen: (shapes.append((n, length)), (n * gen, next(times)))[1], a)
@@ -192,6 +192,13 @@ def test_run_sweep_reports_the_median_after_a_warmup():
     assert d["wall_ms_per_step"] >= 0 and d["host_cpu_ms_per_step"]
     assert all(k.endswith("]") and v >= 0 for k, v in d["host_cpu_ms_per_step"].items())
     assert res["prefill"]["first_tok_s"] == pytest.approx(16 / 9.0, abs=0.1) and res["prefill"]["tok_s"] == 16.0
+    # prefill runs counted apart from decode runs: one decode run, five prefill runs of each shape
+    a.repeats, a.prefill_repeats = 1, 5
+    shapes.clear()
+    times = iter([2.0, 1.0] + [1.0] * 6 + [0.01] * 6)
+    E.run_sweep(res, lambda n, length, gen: (shapes.append((n, length)), (n * gen, next(times)))[1], a)
+    assert shapes == [(1, 4)] * 2 + [(2, 8)] * 6 + [(4, 100)] * 6
+    assert len(res["decode"]["1"]["runs_tok_s"]) == 1 and len(res["prefill"]["runs_tok_s"]) == 5
 
 
 def test_checks_give_no_verdict_without_a_comparison():
@@ -312,6 +319,7 @@ def test_run_hands_the_parallelism_to_each_worker(tmp_path, monkeypatch):
     assert all(c[c.index("--out") + 1].endswith("-tp2-ep.json") for c in cmds)
     assert all(c[c.index("--prefill-shapes") + 1:c.index("--prefill-shapes") + 4] == list(E.PREFILL_SHAPES)
                for c in cmds)
+    assert all(c[c.index("--repeats") + 1] == "3" and c[c.index("--prefill-repeats") + 1] == "7" for c in cmds)
 
 
 
