@@ -7,6 +7,8 @@ import torch
 from nvfp4_plugin import numerics as nx
 from nvfp4_plugin.gemm import moe_glue as G
 
+from .test_cuda_quant import assert_same_values_nan_aware
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -197,9 +199,7 @@ def test_gpu_compiled_silu_and_mul_table_is_bit_exact(table):
     for inp in (x, big):
         got = _cuda_ops.silu_and_mul_into(inp.cuda(), torch.empty(inp.shape[0], inp.shape[1] // 2,
                                                                   dtype=inp.dtype, device="cuda"), table).cpu()
-        want = nx.silu_and_mul_fp32(inp)
-        same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
-        assert same.all(), (table, inp.shape, got[~same][:8], want[~same][:8])
+        assert_same_values_nan_aware(got, nx.silu_and_mul_fp32(inp), f"silu table={table} {tuple(inp.shape)}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -214,9 +214,7 @@ def test_silu_and_mul_is_bit_exact(dtype, i):
     x[2, : len(sv)] = sv
     x[2, i: i + len(sv)] = sv.flip(0)
     got = G.silu_and_mul(x.to(DEV)).cpu()
-    want = nx.silu_and_mul_fp32(x)
-    same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
-    assert same.all(), (got[~same][:8], want[~same][:8])
+    assert_same_values_nan_aware(got, nx.silu_and_mul_fp32(x), f"silu {dtype} I={i}")
 
 
 def test_silu_and_mul_checks_its_input():
