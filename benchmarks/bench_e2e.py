@@ -28,10 +28,10 @@ later ones), then ``--repeats`` runs whose median is the number (all recorded: a
 each batch also records the CPU time per decode step of the busiest processes of the engine's process tree,
 the host loop those steps wait on). Prefill: ``--prefill`` prompts (64 x 896 by default) generating one token,
 prompt tokens per second, the median of ``--prefill-repeats`` runs after a warm-up run (7 by default: single
-prefill runs of vLLM's offline engine spread by 20-25%). With ``--profile-batches``, vLLM's torch profiler records decode steps of every
-configuration at those batch sizes, and full prefill steps (``max_num_batched_tokens`` prompt tokens each):
-kernels by time per step and share, plus the host side (CUDA-graph and eager kernel launches per step, the
-share of the step the GPU was busy). With ``--serve``, each engine's OpenAI server (``vllm serve``,
+prefill runs of vLLM's offline engine spread by 20-25%). With ``--profile-batches``, vLLM's torch profiler
+records decode steps of every configuration at those batch sizes, and full prefill steps
+(``max_num_batched_tokens`` prompt tokens each): kernels by time per step and share, plus the host side
+(CUDA-graph and eager kernel launches per step, the share of the step the GPU was busy). With ``--serve``, each engine's OpenAI server (``vllm serve``,
 ``sglang.launch_server``) of ours and of that engine's best built-in answers one first request once it reports
 ready (recorded: what a user's first request meets), then streaming completions from ``--concurrency``
 clients: tokens/s, time to first token and inter-token latency (p50 / p99). vLLM runs also record the

@@ -365,8 +365,8 @@ def _chunked(t: torch.Tensor) -> bool:
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(x[:, :I]) * x[:, I:]`` of ``x [R, 2I]`` (bf16/fp16), bit-equal to
     :func:`nvfp4_plugin.numerics.silu_and_mul_fp32`. Where the compiled extension runs, its kernel (bf16: the
-    SiLU of every bf16 gate from a lookup table once the call is large enough, 30% less time at prefill sizes;
-    moe_h200.md); else one Triton kernel."""
+    SiLU of every bf16 gate from a lookup table once the call is large enough; 164 against the Triton kernel's
+    184 µs at 16384 Qwen3 tokens, moe_h200.md); else one Triton kernel."""
     check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16), ndim=2)
     r, two_i = x.shape
     if two_i % 2:
