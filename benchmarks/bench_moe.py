@@ -119,14 +119,16 @@ def measure(model: dict, tokens_list, device, with_vllm: bool = True) -> tuple[l
         plan = []
         for ids, w in routs:
             rt = moe_routing(ids, e)
-            hmid = w4_grouped(x, p13, rt["expert_offsets"], gather_idx=rt["gather_idx"])
+            hmid = w4_grouped(x, p13, rt["expert_offsets"], gather_idx=rt["gather_idx"], gather_pos=rt["pair_pos"])
             act = silu_and_mul(hmid)
             y = torch.empty((t * top_k, h), dtype=x.dtype, device=device)
             w4_grouped(act, p2, rt["expert_offsets"], scatter_idx=rt["scatter_idx"], out=y)
             plan.append((ids, w, rt, hmid, act, y))
         stage_calls = {
             "routing": [lambda s=s: moe_routing(s[0], e) for s in plan],
-            "up": [lambda s=s: w4_grouped(x, p13, s[2]["expert_offsets"], gather_idx=s[2]["gather_idx"]) for s in plan],
+            # as the layer calls it: with routing's inverse index (each token's row copied once, Gluon tiles)
+            "up": [lambda s=s: w4_grouped(x, p13, s[2]["expert_offsets"], gather_idx=s[2]["gather_idx"],
+                                          gather_pos=s[2]["pair_pos"], out=s[3]) for s in plan],
             "silu_mul": [lambda s=s: silu_and_mul(s[3], out=s[4]) for s in plan],
             "down": [lambda s=s: w4_grouped(s[4], p2, s[2]["expert_offsets"], scatter_idx=s[2]["scatter_idx"],
                                             out=s[5]) for s in plan],
