@@ -30,7 +30,7 @@ beyond the device time goes.
 without the direct kernel launches and a cProfile of the calls (top functions by own and cumulative time).
 
 ``--sustained T`` times ``T`` tokens after seconds of load instead, when the GPU runs at its power cap:
-the layer (ours, vLLM's bf16) and the two grouped GEMMs under the selected config and a few other Gluon
+the layer (ours; vLLM's and SGLang's bf16 fused MoE where importable) and the two grouped GEMMs under the selected config and a few other Gluon
 tiles, beside ``torch._grouped_mm`` on the same weights in bf16; burst (about 30 ms of replays on a rested
 GPU) and sustained (after 1.5 s of load) µs per call. Short CUDA-graph timings rank kernels at boost clock; served prefill runs at the cap.
 
@@ -48,6 +48,7 @@ without one, through the interpreter (the table's form, not numbers to quote).
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -99,6 +100,29 @@ def _vllm_bf16():
     except Exception as exc:  # noqa: BLE001 - a missing peer is reported, not fatal
         return None, f"vLLM not importable ({type(exc).__name__}: {str(exc)[:80]})"
     return fused_experts, None
+
+
+def _arg_names(fn) -> set[str]:
+    """Parameter names of a function or of a registered torch custom op (its schema's arguments)."""
+    op = getattr(fn, "default", None)
+    if op is not None and hasattr(op, "_schema"):
+        return {a.name for a in op._schema.arguments}
+    return set(inspect.signature(fn).parameters)
+
+
+def _sglang_bf16():
+    """SGLang's bf16 Triton fused MoE (``outplace_fused_experts``, what its bf16 server runs on Hopper) as
+    ``peer(x, w13, w2, topk_weights, topk_ids)``, or the reason it is missing. w13 is ``[gate; up]``
+    (not interleaved), as in the checkpoints."""
+    try:
+        from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import outplace_fused_experts
+    except Exception as exc:  # noqa: BLE001 - a missing peer is reported, not fatal
+        return None, f"SGLang not importable ({type(exc).__name__}: {str(exc)[:80]})"
+    kw = {"gate_up_interleaved": False} if "gate_up_interleaved" in _arg_names(outplace_fused_experts) else {}
+
+    def peer(x, w13, w2, topk_weights, topk_ids):
+        return outplace_fused_experts(x, w13, w2, topk_weights, topk_ids, **kw)
+    return peer, None
 
 
 def measure(model: dict, tokens_list, device, with_vllm: bool = True) -> tuple[list[dict], str | None]:
@@ -280,6 +304,11 @@ def sustained(model: dict, tokens: int, with_vllm: bool) -> str:
         add("layer, vLLM bf16", "fused_experts", lambda: peer(x, w13_16, w2_16, w, ids))
     else:
         md.append(f"| layer, vLLM bf16 | {reason} | | |")
+    sg, sg_reason = _sglang_bf16() if with_vllm else (None, "off")
+    if sg is not None:
+        add("layer, SGLang bf16", "outplace_fused_experts", lambda: sg(x, w13_16, w2_16, w, ids))
+    else:
+        md.append(f"| layer, SGLang bf16 | {sg_reason} | | |")
     ends = rt["expert_offsets"][1:]
     for proj, p, inp, wb in (("up", p13, xs, w13_16), ("down", p2, act, w2_16)):
         sel = select_config("grouped", rows, p.layout.n, p.layout.k, e, device=x.device)
@@ -459,7 +488,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="markdown file for the table")
     ap.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(BG.MOE_MODELS))
     ap.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
-    ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's bf16 fused_experts")
+    ap.add_argument("--no-vllm", action="store_true",
+                    help="skip the engines' bf16 MoE kernels (vLLM's fused_experts; SGLang's with --sustained)")
     ap.add_argument("--trace", type=int, metavar="TOKENS",
                     help="profile TOKENS tokens (eager and CUDA graph) instead of the table; GPU only")
     ap.add_argument("--sustained", type=int, metavar="TOKENS",
