@@ -30,9 +30,10 @@ beyond the device time goes.
 without the direct kernel launches and a cProfile of the calls (top functions by own and cumulative time).
 
 ``--sustained T`` times ``T`` tokens after seconds of load instead, when the GPU runs at its power cap:
-the layer (ours; vLLM's and SGLang's bf16 fused MoE where importable) and the two grouped GEMMs under the selected config and a few other Gluon
-tiles, beside ``torch._grouped_mm`` on the same weights in bf16; burst (about 30 ms of replays on a rested
-GPU) and sustained (after 1.5 s of load) µs per call. Short CUDA-graph timings rank kernels at boost clock; served prefill runs at the cap.
+the layer (ours; vLLM's and SGLang's bf16 fused MoE where importable) and the two grouped GEMMs under the
+selected config and a few other Gluon tiles, beside ``torch._grouped_mm`` on the same weights in bf16; burst
+(about 30 ms of replays on a rested GPU) and sustained (after 1.5 s of load) µs per call. Short CUDA-graph
+timings rank kernels at boost clock; served prefill runs at the cap.
 
 ``--glue-shapes`` times the routing under several block sizes, the row gather (ours against
 ``torch.index_select``) and the row spread (each token's row read once, written to its top-k rows) under
