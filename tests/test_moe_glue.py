@@ -109,6 +109,17 @@ def _special_values(dtype):
     return torch.tensor(vals, dtype=torch.float32).to(dtype)
 
 
+def _same_bytes(a, b):
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _assert_row_copy(copy, want):
+    """``copy(out)`` gives ``want``'s bytes into a new tensor (``out=None``) and into a given one, which it returns."""
+    assert _same_bytes(copy(None), want)
+    out = torch.full_like(want, 7)
+    assert copy(out) is out and _same_bytes(out, want)
+
+
 @pytest.mark.parametrize("r,t,h,dtype", [(1, 1, 16, torch.bfloat16), (37, 5, 200, torch.bfloat16),
                                          (64, 9, 2048, torch.float16), (21, 4, 1100, torch.bfloat16),
                                          (19, 3, 40, torch.float32)])
@@ -119,11 +130,8 @@ def test_gather_rows_is_index_select(r, t, h, dtype):
     x = torch.randn(t, h, generator=g).to(dtype).to(DEV)
     x[0, 0] = float("nan")
     idx = torch.randint(0, t, (r,), generator=g, dtype=torch.int32).to(DEV)
-    got = G.gather_rows(x, idx)
     want = x.index_select(0, idx)
-    assert got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    out = torch.full((r, h), 7, dtype=dtype, device=DEV)
-    assert G.gather_rows(x, idx, out=out) is out and torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+    _assert_row_copy(lambda out: G.gather_rows(x, idx, out=out), want)
     # a row-strided source (a view of wider rows) with a storage offset (from its second row on), and a
     # strided index (every other entry)
     wide = torch.randn(t + 1, h + 8, generator=g).to(dtype).to(DEV)
@@ -131,13 +139,8 @@ def test_gather_rows_is_index_select(r, t, h, dtype):
     assert sidx.stride(0) == 2 and src.storage_offset() == h + 8
     assert _same_bytes(G.gather_rows(src, sidx), src.index_select(0, sidx))
     # the index_select fallbacks: a column-strided source, a column-strided out
-    want = x.index_select(0, idx)
     assert _same_bytes(G.gather_rows(x.t().contiguous().t(), idx), want)
     assert _same_bytes(G.gather_rows(x, idx, out=torch.empty((h, r), dtype=dtype, device=DEV).t()), want)
-
-
-def _same_bytes(a, b):
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def test_gather_rows_checks_its_arguments():
@@ -163,10 +166,7 @@ def test_spread_rows_is_the_routed_gather(t, top_k, h, dtype):
     x = torch.randn(t, h, generator=g).to(dtype).to(DEV)
     r = G.moe_routing(_ids(t, top_k, 16, seed=t).to(DEV), 16)
     want = G.gather_rows(x, r["gather_idx"])
-    got = G.spread_rows(x, r["pair_pos"])
-    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    out = torch.full_like(want, 7)
-    assert G.spread_rows(x, r["pair_pos"], out=out) is out and torch.equal(out, want)
+    _assert_row_copy(lambda out: G.spread_rows(x, r["pair_pos"], out=out), want)
     strided = torch.empty((h, t * top_k), dtype=dtype, device=DEV).t()
     assert _same_bytes(G.spread_rows(x, r["pair_pos"], out=strided), want)
 
