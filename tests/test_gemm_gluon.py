@@ -115,6 +115,44 @@ def test_gpu_gluon_grouped_and_masked(cfg, dtype):
                              f"gluon_masked/{dtype}") <= 2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tail_bm", [128, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gluon_grouped_tail_launch(tail_bm, dtype):
+    """256-row grouped tiles with each expert's last at most 128 rows split off to a launch of shorter tiles
+    (``tail_bm``): every row count around the tile edges (none, a few, exactly half a tile, one more, whole
+    tiles and beyond), plain and scattered with row scales (the down projection), rows past
+    expert_offsets[E] untouched, under a CUDA graph: the same bytes as one launch of the 256-row tiles,
+    within 2 ulps of the fp64 reference."""
+    counts = [0, 5, 128, 129, 256, 300, 384, 385, 612, 640, 1]
+    num_e, n, k = len(counts), 200, 1040
+    offsets = torch.zeros(num_e + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(torch.tensor(counts), 0)
+    offsets = offsets.to(DEV)
+    rows = int(offsets[-1])
+    w = make_weight((num_e,), n, k, seed=81)
+    p = prepack(w, dtype)
+    x = act((rows + 40, k), dtype, seed=82)       # 40 rows past offsets[E]
+    whole = GluonConfig(bn=64, bm=256, bk=64, num_warps=4, num_stages=3)
+    split = GluonConfig(bn=64, bm=256, bk=64, num_warps=4, num_stages=3, tail_bm=tail_bm)
+    y1 = w4_grouped(x, p, offsets, config=whole)
+    out = torch.full((rows + 40, n), 7.0, dtype=dtype, device=DEV)
+    y2 = w4_grouped(x, p, offsets, out=out, config=split)
+    assert torch.equal(y2[:rows], y1[:rows])
+    assert (y2[rows:] == 7).all()
+    assert ulp_error(y2[:rows].cpu(), grouped_ref(x[:rows], w, offsets), dtype, f"gluon_grouped_tail/{dtype}") <= 2
+    g = torch.Generator().manual_seed(83)
+    pair = torch.randperm(rows, generator=g).to(torch.int32).to(DEV)
+    scale = torch.rand(rows, generator=g).to(DEV)
+    xr = x[:rows]
+    ys1 = w4_grouped(xr, p, offsets, scatter_idx=pair, row_scale=scale, num_out_rows=rows, config=whole)
+    ys2 = w4_grouped(xr, p, offsets, scatter_idx=pair, row_scale=scale, num_out_rows=rows, config=split)
+    assert torch.equal(ys2, ys1)
+    yc = graph_replay(lambda: w4_grouped(xr, p, offsets, scatter_idx=pair, row_scale=scale, num_out_rows=rows,
+                                         config=split))
+    assert torch.equal(yc, ys1)
+
+
 def test_gluon_config_validation_and_selection():
     with pytest.raises(ValueError, match="GluonConfig: needs bn 64 or 128 with bn/16 warps"):
         GluonConfig(bn=128, bm=128, num_warps=4)
@@ -129,6 +167,15 @@ def test_gluon_config_validation_and_selection():
         GluonConfig(bn=64, bm=128, num_warps=4, split_tail=True)
     with pytest.raises(ValueError, match="prefetch"):
         GluonConfig(bn=64, bm=128, num_warps=4, prefetch=3)
+    for bad in (32, 96, 256):
+        with pytest.raises(ValueError, match="tail_bm"):
+            GluonConfig(bn=64, bm=256, bk=64, num_warps=4, tail_bm=bad)
+    with pytest.raises(ValueError, match="tail_bm"):       # more than half the main tile
+        GluonConfig(bn=64, bm=128, num_warps=4, tail_bm=128)
+    tail = GluonConfig(bn=64, bm=256, bk=64, num_warps=4, num_stages=3, tail_bm=128)
+    assert W4Config.from_json(tail.to_json()) == tail
+    with pytest.raises(TypeError, match="tail_bm"):        # a Gluon-only field
+        TritonWgmmaConfig(bn=64, bm=128, tail_bm=64)
     # split_tail: whole waves of one tile per SM over all of K, rounded down to whole N columns of tiles
     from nvfp4_plugin.gemm import gluon_w4
     assert gluon_w4.dp_tiles(9, 64, 132, True) == 522            # 528 rounded down to a multiple of 9
@@ -144,6 +191,10 @@ def test_gluon_config_validation_and_selection():
     assert not gsel.heuristic("dense", gsel.GLUON_MIN_M, 4096, 4096).gluon
     # grouped / masked: from GLUON_MIN_EXPERT_ROWS rows per active expert
     assert gsel.heuristic("grouped", 32768, 1536, 2048, 128).gluon
+    # 256-row grouped tiles hand each expert's short last rows to GLUON_TAIL_BM-row tiles; 128-row ones do not
+    big = gsel.heuristic("grouped", 65536, 1536, 2048, 128)
+    assert (big.bm, big.tail_bm) == (256, gsel.GLUON_TAIL_BM) and gsel.GLUON_TAIL_BM in (0, 64, 128)
+    assert gsel.heuristic("grouped", 32768, 1536, 2048, 128).tail_bm == 0
     assert not gsel.heuristic("grouped", 8192, 1536, 2048, 128).gluon
     assert gsel.heuristic("masked", 256, 4096, 7168, 256).gluon and not gsel.heuristic("masked", 64, 4096, 7168, 256).gluon
     assert gsel.heuristic("dense", gsel.DEQUANT_MM_MIN_M, 4096, 4096).dequant_mm

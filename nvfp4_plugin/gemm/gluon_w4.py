@@ -166,7 +166,7 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, ac
                     MODE: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                     DT: gl.constexpr, HAS_BIAS: gl.constexpr, ACT_SCALE: gl.constexpr, IS_SPLIT: gl.constexpr,
                     HAS_SCATTER: gl.constexpr, HAS_ROWSCALE: gl.constexpr, PF: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    TAIL: gl.constexpr, BM_MAIN: gl.constexpr, num_warps: gl.constexpr):
     """MODE 0: dense ``x[M, K]``, one output tile per program: programs ``[0, DP_TILES)`` take tiles
     ``0 .. DP_TILES-1`` over all of K, the others the remaining tiles split ``SPLIT_K`` ways along K
     (program -> split, tile; tiles are M-fastest, so ``DP_TILES``, a multiple of the M tiles, leaves
@@ -175,7 +175,11 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, ac
     (M = max_m) and expert e's rows are ``e*M : e*M + min(aux[e], M)``. In both, program (N tile,
     e * M_SPLIT + split) takes the expert's M tiles split, split + M_SPLIT, ...; rows past the
     expert's end are computed from whatever x holds there and not stored. Output rows go through
-    ``scatter`` and are multiplied by ``rowscale[dst]`` when given (grouped)."""
+    ``scatter`` and are multiplied by ``rowscale[dst]`` when given (grouped).
+    TAIL (grouped): 0 every M tile of each expert; 1 its tiles of BM rows and a partial last one only where
+    more than BM/2 of its rows are the expert's; 2 (tiles of BM < BM_MAIN rows) the rows that TAIL 1 with
+    BM_MAIN left out: an expert's last at most BM_MAIN/2 rows. A tile computes all its rows whether the
+    expert has them or not, so a short last tile of 256 rows costs as much as a full one."""
     KA: gl.constexpr = BK // 64
     R: gl.constexpr = BN // 2
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -253,6 +257,12 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, ac
         if MODE == 1:
             lo = gl.load(aux_ptr + e)
             hi = gl.load(aux_ptr + e + 1)
+            if TAIL == 1:
+                rem = (hi - lo) % BM
+                hi = hi - rem * (rem <= BM // 2).to(gl.int32)
+            if TAIL == 2:
+                rem = (hi - lo) % BM_MAIN
+                lo = hi - rem * (rem <= BM_MAIN // 2).to(gl.int32)
         else:
             lo = e * M
             hi = lo + gl.minimum(gl.load(aux_ptr + e), M)
@@ -367,7 +377,7 @@ def launch_dense(x2: torch.Tensor, w, y: torch.Tensor, cfg, dummy: torch.Tensor,
         m, lay.n, lay.k_pad, 0, w.words.stride(1), 0, w.scales.stride(1), 0, y.stride(0), sk, 1, dp,
         MODE=0, BN=bn, BM=bm, BK=bk, STAGES=cfg.num_stages, DT=0 if x2.dtype == torch.bfloat16 else 1,
         HAS_BIAS=int(bias is not None), ACT_SCALE=int(act_scale is not None), IS_SPLIT=int(sk > 1),
-        HAS_SCATTER=0, HAS_ROWSCALE=0, PF=cfg.prefetch, num_warps=bn // 16)
+        HAS_SCATTER=0, HAS_ROWSCALE=0, PF=cfg.prefetch, TAIL=0, BM_MAIN=bm, num_warps=bn // 16)
     if sk > 1:
         block = 1024
         fast(w4_splitk_reduce_kernel)[(-(-(lay.n - n0) // block), m)](
@@ -375,19 +385,28 @@ def launch_dense(x2: torch.Tensor, w, y: torch.Tensor, cfg, dummy: torch.Tensor,
 
 
 def launch_grouped(mode: int, x2: torch.Tensor, w, y2: torch.Tensor, cfg, aux: torch.Tensor, dummy: torch.Tensor, *,
-                   m: int, m_split: int, scatter=None, row_scale=None, act_scale=None) -> None:
+                   m: int, m_split: int, scatter=None, row_scale=None, act_scale=None, tail_cfg=None) -> None:
     """Grouped (``mode`` 1: ``aux`` = expert offsets, x2 ``[R, K]``) or masked (2: ``aux`` = mask, x2 the
     ``[E * m, K]`` view of ``[E, m, K]``, ``m`` = max_m) launch of :func:`w4_wgmma_kernel`: a static grid of
-    (N tiles, experts x ``m_split``), y2 row-major 2-D (``[E * m, N]`` for masked)."""
+    (N tiles, experts x ``m_split``), y2 row-major 2-D (``[E * m, N]`` for masked). ``tail_cfg`` (grouped):
+    a config of shorter tiles that a second launch computes each expert's last at most ``cfg.bm / 2`` rows
+    with, which the first then leaves out (its grid: N tiles, experts x enough programs for those rows)."""
     lay = w.layout
-    bm, bn, bk = cfg.bm, cfg.bn, _bk(lay, cfg)
-    d = dummy
     num_e = w.words.shape[0]
-    fast(w4_wgmma_kernel)[(-(-lay.n // bn), num_e * m_split)](
-        _x_desc(x2, bm, bk), w.words, w.scales, w.alpha, d, y2, d, act_scale if act_scale is not None else d, aux,
-        scatter if scatter is not None else d, row_scale if row_scale is not None else d,
-        m, lay.n, lay.k_pad, w.words.stride(0), w.words.stride(1), w.scales.stride(0), w.scales.stride(1),
-        w.alpha.stride(0), y2.stride(0), 1, m_split, 0,
-        MODE=mode, BN=bn, BM=bm, BK=bk, STAGES=cfg.num_stages, DT=0 if x2.dtype == torch.bfloat16 else 1,
-        HAS_BIAS=0, ACT_SCALE=2 if act_scale is not None else 0, IS_SPLIT=0, HAS_SCATTER=int(scatter is not None),
-        HAS_ROWSCALE=int(row_scale is not None), PF=cfg.prefetch, num_warps=bn // 16)
+    if tail_cfg is not None and mode != 1:
+        raise ValueError(f"launch_grouped: tail_cfg is for grouped launches (mode 1), got mode {mode}")
+    parts = [(cfg, m_split, 1 if tail_cfg is not None else 0)]
+    if tail_cfg is not None:
+        parts.append((tail_cfg, -(-(cfg.bm // 2) // tail_cfg.bm), 2))
+    for c, ms, tail in parts:
+        bm, bn, bk = c.bm, c.bn, _bk(lay, c)
+        d = dummy
+        fast(w4_wgmma_kernel)[(-(-lay.n // bn), num_e * ms)](
+            _x_desc(x2, bm, bk), w.words, w.scales, w.alpha, d, y2, d, act_scale if act_scale is not None else d,
+            aux, scatter if scatter is not None else d, row_scale if row_scale is not None else d,
+            m, lay.n, lay.k_pad, w.words.stride(0), w.words.stride(1), w.scales.stride(0), w.scales.stride(1),
+            w.alpha.stride(0), y2.stride(0), 1, ms, 0,
+            MODE=mode, BN=bn, BM=bm, BK=bk, STAGES=c.num_stages, DT=0 if x2.dtype == torch.bfloat16 else 1,
+            HAS_BIAS=0, ACT_SCALE=2 if act_scale is not None else 0, IS_SPLIT=0,
+            HAS_SCATTER=int(scatter is not None), HAS_ROWSCALE=int(row_scale is not None), PF=c.prefetch,
+            TAIL=tail, BM_MAIN=cfg.bm, num_warps=bn // 16)

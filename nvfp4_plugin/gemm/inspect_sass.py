@@ -64,9 +64,11 @@ def compile_config(cfg: W4Config, *, mode: int = 0, fp16: bool = False, even_k: 
 
 
 def compile_gluon(cfg: GluonConfig, *, fp16: bool = False, split: bool = False, mode: int = 0, m: int = 256,
-                  k: int = 4096, arch: int = 90):
+                  k: int = 4096, arch: int = 90, tail: int = 0, bm_main: int = 0):
     """The Gluon kernel (:mod:`.gluon_w4`) of a ``gluon=True`` config, compiled for ``sm_{arch}a`` (``mode``
-    0 dense, 1 grouped with scatter and row scale, 2 masked)."""
+    0 dense, 1 grouped with scatter and row scale, 2 masked; ``tail`` 1 / 2: grouped, the launch of an
+    expert's tiles of ``cfg.bm`` rows / of its last rows after tiles of ``bm_main`` rows, in tiles of
+    ``cfg.bm``)."""
     import torch
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -82,7 +84,8 @@ def compile_gluon(cfg: GluonConfig, *, fp16: bool = False, split: bool = False, 
            "M_SPLIT": "i32", "DP_TILES": "i32"}
     const = dict(MODE=mode, BN=cfg.bn, BM=cfg.bm, BK=cfg.bk, STAGES=cfg.num_stages, DT=int(fp16), HAS_BIAS=0,
                  ACT_SCALE=0, IS_SPLIT=int(split and mode == 0), HAS_SCATTER=int(mode == 1),
-                 HAS_ROWSCALE=int(mode == 1), PF=cfg.prefetch, num_warps=cfg.num_warps)
+                 HAS_ROWSCALE=int(mode == 1), PF=cfg.prefetch, TAIL=tail, BM_MAIN=bm_main or cfg.bm,
+                 num_warps=cfg.num_warps)
     for key in const:
         sig[key] = "constexpr"
     fn = gluon_w4.w4_wgmma_kernel

@@ -81,7 +81,12 @@ def compile_variant(variant: tuple, capability: tuple[int, int], *, moe_proj: st
     if kind == "triton":
         return [cs.compile_config(cfg, mode=0, arch=arch)]
     if kind == "grouped-gluon":
-        return [cs.compile_gluon(cfg, mode=1, arch=arch)]
+        if not cfg.tail_bm:
+            return [cs.compile_gluon(cfg, mode=1, arch=arch)]
+        from .select import gluon_config
+        tail = gluon_config(cfg.bn, cfg.tail_bm, cfg.bk, prefetch=cfg.prefetch)
+        return [cs.compile_gluon(cfg, mode=1, arch=arch, tail=1),
+                cs.compile_gluon(tail, mode=1, arch=arch, tail=2, bm_main=cfg.bm)]
     compact = variant[2]
     flags = dict(HAS_GATHER=int(moe_proj == "up"), HAS_SCATTER=int(moe_proj == "down"), COMPACT=int(compact),
                  E_P2=1 << (max(num_experts, 1) - 1).bit_length() if compact else 1)

@@ -69,6 +69,7 @@ class W4Config:
     dequant_mm: ClassVar[bool] = False  # dequantize + torch.mm (cuBLAS)
     ss: ClassVar[bool] = False          # wgmma with both operands in shared memory (TritonWgmmaConfig field)
     prefetch: ClassVar[int] = 2         # GluonConfig field
+    tail_bm: ClassVar[int] = 0          # GluonConfig field
     split_tail: ClassVar[bool] = False  # GluonConfig field
 
     def __post_init__(self):
@@ -181,10 +182,14 @@ class GluonConfig(W4Config):
     64 or 128, x by TMA in ``num_stages`` buffers (dense, grouped without a gather index, masked;
     compiled GPUs only, otherwise the Triton kernel runs instead). ``prefetch``: K steps ahead the weight
     words and scales are loaded into registers (2 or 4); ``split_tail``: dense with split_k > 1 only,
-    compute the whole waves of tiles (one per SM) over all of K and split only the tiles left over."""
+    compute the whole waves of tiles (one per SM) over all of K and split only the tiles left over;
+    ``tail_bm``: grouped only (0: off), each expert's last at most bm/2 rows go to a second launch with tiles
+    of tail_bm rows (a tile computes all its rows, the expert's or not: a short last tile of bm rows costs
+    a full one)."""
 
     prefetch: int = 2
     split_tail: bool = False
+    tail_bm: int = 0
 
     FAMILY: ClassVar[str] = "gluon"
     LABEL: ClassVar[str] = "gluon wgmma"
@@ -202,6 +207,9 @@ class GluonConfig(W4Config):
         if self.num_stages * self.bm * self.bk * 2 > 160 * 1024:
             raise ValueError(f"GluonConfig: x ring of {self.num_stages} x {self.bm} x {self.bk} does not fit "
                              "in shared memory (160 KB)")
+        if self.tail_bm and (self.tail_bm not in (64, 128) or 2 * self.tail_bm > self.bm):
+            raise ValueError(f"GluonConfig.tail_bm: expected 0 or 64 / 128 rows, at most bm/2, got "
+                             f"tail_bm={self.tail_bm} with bm={self.bm}")
         if self.split_tail and self.split_k < 2:
             raise ValueError(f"GluonConfig.split_tail: splits the last wave's tiles along K, needs split_k >= 2, "
                              f"got split_k={self.split_k}")
@@ -309,6 +317,14 @@ GLUON_MIN_EXPERT_ROWS = 128
 #: in a short burst (``bench_moe --sustained 16384``; results/moe_h200.md, "Power").
 GLUON_BM256_EXPERT_ROWS = 512
 
+#: Rows of the second launch's tiles that take each expert's last at most 128 rows off the 256-row tiles
+#: (``GluonConfig.tail_bm``; 0: one launch, the last tile computed whole however few rows it holds). A tile
+#: computes all its rows, so with about 512 rows per expert a quarter of the 256-row tiles' work was rows
+#: no expert has. On the H200 (Qwen3-30B-A3B layer, sustained load, the same bytes out) 64-row tail tiles
+#: took the layer from 1692-1696 to 1612-1615 µs at 8192 tokens and 3088-3089 to 3011-3014 at 16384
+#: (128-row tails: 1637 / 3031-3033; results/moe_h200.md, "Short last tiles").
+GLUON_TAIL_BM = 64
+
 
 def gluon_stages(bm: int, bk: int) -> int:
     """x buffers of a Gluon config: as many as fit beside the other operands (96-128 KB of ring; the
@@ -354,7 +370,9 @@ def heuristic(kind: str, m: int, n: int, k: int, e: int = 1, sms: int = 132) -> 
         active = e if kind == "masked" else 1
         rows = m
     if kind != "dense" and rows >= GLUON_MIN_EXPERT_ROWS:
-        return gluon_config(64, 256 if kind == "grouped" and rows >= GLUON_BM256_EXPERT_ROWS else 128, 64)
+        if kind == "grouped" and rows >= GLUON_BM256_EXPERT_ROWS:
+            return gluon_config(64, 256, 64, tail_bm=GLUON_TAIL_BM)
+        return gluon_config(64, 128, 64)
     if rows <= 8:
         cfg = TritonMmaConfig(bn=64, bm=8, bk=bk, num_warps=4, num_stages=4 if bk == 256 else 5)
     elif rows <= 16:
