@@ -28,9 +28,10 @@ later ones), then ``--repeats`` runs whose median is the number (all recorded: a
 each batch also records the CPU time per decode step of the busiest processes of the engine's process tree,
 the host loop those steps wait on). Prefill: ``--prefill`` prompts (64 x 896 by default) generating one token,
 prompt tokens per second, the median of ``--prefill-repeats`` runs after a warm-up run (7 by default: single
-prefill runs of vLLM's offline engine spread by 20-25%). With ``--profile-batches``, vLLM's torch profiler
-records decode steps of every configuration at those batch sizes, and full prefill steps
-(``max_num_batched_tokens`` prompt tokens each): kernels by time per step and share, plus the host side
+prefill runs of vLLM's offline engine spread by 20-25%). With ``--profile-batches``, the engine's torch profiler
+(vLLM's; SGLang's by stage) records decode steps of every configuration at those batch sizes, and full prefill
+steps (vLLM's ``max_num_batched_tokens``, SGLang's ``chunked_prefill_size`` prompt tokens each): kernels by time
+per step and share, plus the host side
 (CUDA-graph and eager kernel launches per step, the share of the step the GPU was busy). With ``--serve``, each engine's OpenAI server (``vllm serve``,
 ``sglang.launch_server``) of ours and of that engine's best built-in answers one first request once it reports
 ready (recorded: what a user's first request meets), then streaming completions from ``--concurrency``
@@ -456,8 +457,50 @@ def _sglang_worker(a, result: dict) -> None:
 
     try:
         run_sweep(result, timed, a)
+        if a.profile_batches:
+            _sglang_profiles(engine, a, timed, result)
     finally:
         engine.shutdown()
+
+
+def _sglang_profiles(engine, a, timed, result: dict) -> None:
+    """SGLang's torch profiler by stage (its scheduler starts a trace at a run's first step of each stage and
+    writes it after ``--profile-steps`` of them): decode steps at each ``--profile-batches`` size, and full
+    prefill chunks (``chunked_prefill_size`` prompt tokens each), into ``result["profile"]`` as for vLLM."""
+    prof_dir = str(Path(a.out).with_suffix("")) + "-traces"
+    os.makedirs(prof_dir, exist_ok=True)
+    steps = a.profile_steps
+
+    def profiled(key: str, stage: str, n: int, length: int, gen: int) -> None:
+        before = set(glob.glob(os.path.join(prof_dir, "*.json*")))
+        engine.start_profile(output_dir=prof_dir, num_steps=steps, profile_by_stage=True, activities=["CPU", "GPU"],
+                             with_stack=False, record_shapes=False, profile_id=f"p{len(before)}")
+        timed(n, length, gen)
+        new = set(glob.glob(os.path.join(prof_dir, "*.json*"))) - before
+        staged = sorted((f for f in new if f.endswith(f"-{stage}.trace.json.gz")), key=os.path.getmtime)
+        if not staged:
+            # the run ended before the stage's steps did: close the trace (SGLang raises if none is open)
+            try:
+                engine.stop_profile()
+            except RuntimeError as exc:
+                print(f"[{a.engine} {a.model} {a.config}] profile {key}: {exc}", flush=True)
+            print(f"[{a.engine} {a.model} {a.config}] profile {key}: no {stage} trace of {steps} steps", flush=True)
+            return
+        result["profile"][key] = kernel_table(staged[-1], steps)
+        result["profile"][key]["trace"] = os.path.basename(staged[-1])
+
+    result["profile"] = {}
+    for b in a.profile_batches:
+        timed(b, a.prompt_len, steps + 8)                       # warm-up of this shape
+        profiled(str(b), "DECODE", b, a.prompt_len, steps + 8)
+    sa = getattr(engine, "server_args", None)
+    chunk = getattr(sa, "chunked_prefill_size", None) or -1
+    if chunk <= 0:                   # chunking off: a prefill step takes up to max_prefill_tokens
+        chunk = getattr(sa, "max_prefill_tokens", None) or 16384
+    length = a.prefill[1]
+    profiled("prefill", "EXTEND", -(-(steps + 2) * chunk // length), length, 1)
+    if "prefill" in result["profile"]:
+        result["profile"]["prefill"]["tokens_per_step"] = chunk
 
 
 def run_sweep(result: dict, timed, a) -> None:
@@ -692,7 +735,7 @@ def run(a) -> int:
                "--mem-fraction", str(a.mem_fraction), "--max-model-len", str(a.max_model_len),
                "--repeats", str(a.repeats), "--prefill-repeats", str(a.prefill_repeats),
                "--tp", str(a.tp)] + (["--ep"] if a.ep else [])
-        if a.profile_batches and engine == "vllm" and rnd == 0:
+        if a.profile_batches and rnd == 0:
             cmd += ["--profile-batches", *map(str, a.profile_batches)]
         print(f"=== {engine} {model} {config} {par}" + (f" round {rnd}" if rnd else ""), flush=True)
         t = time.time()

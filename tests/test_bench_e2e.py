@@ -472,3 +472,90 @@ def test_report_names_the_host_loop_per_round():
     lines = E.checks([merged, bf16], "vllm", "moe")
     assert ("host CPU per decode step at batch 1 (busiest process of the engine, CPU / wall): bf16 EngineCore "
             "1.90 / 2.00 ms, ours EngineCore 1.90 / 2.00 ms; EngineCore 1.30 / 1.40 ms") in lines
+
+
+class _FakeSglangEngine:
+    """SGLang's Engine as bench_e2e's profiler code uses it, with its scheduler's by-stage contract
+    (scheduler_components/profiler_manager.py, 0.5.17): a trace starts at a stage's first step, a decode
+    step flushes an open prefill (EXTEND) trace, and a stage's trace is written once its count passes
+    ``num_steps``; ``stop_profile`` with nothing open raises."""
+
+    def __init__(self, chunk=8192, real_chunk=None):
+        self.server_args = type("SA", (), {"chunked_prefill_size": chunk})()
+        self.real_chunk = real_chunk or chunk
+        self.kw, self.open, self.calls = None, None, []
+
+    def start_profile(self, **kw):
+        self.calls.append(("start", kw))
+        self.kw, self.ct = kw, {"EXTEND": 0, "DECODE": 0}
+
+    def _write(self, suffix):
+        stage, events = self.open
+        name = f"{self.kw['profile_id']}-TP-0{suffix}.trace.json.gz"
+        with gzip.open(f"{self.kw['output_dir']}/{name}", "wt") as f:
+            json.dump({"traceEvents": events}, f)
+        self.open = None
+
+    def stop_profile(self):
+        self.calls.append(("stop", {}))
+        if self.open is None:
+            raise RuntimeError("Profiling is not in progress. Call /start_profile first.")
+        self._write("")
+
+    def step(self, stage, us):
+        if self.kw is None:                     # no profile asked for yet
+            return
+        if self.ct[stage] == 0:
+            if self.open is not None:
+                self._write("-" + self.open[0])
+            self.open = (stage, [])
+        self.ct[stage] += 1
+        if self.ct[stage] > self.kw["num_steps"]:
+            if self.open is not None and self.open[0] == stage:
+                self._write("-" + stage)
+            return
+        if self.open is not None:
+            self.open[1].append({"ph": "X", "cat": "kernel", "name": stage.lower(), "ts": 10.0 * len(self.open[1]),
+                                 "dur": us})
+
+    def run(self, n, length, gen):
+        for _ in range(-(-n * length // self.real_chunk)):
+            self.step("EXTEND", 100.0)
+        for _ in range(gen - 1):
+            self.step("DECODE", 7.0)
+
+
+def test_sglang_profiles_by_stage(tmp_path):
+    import types
+    eng = _FakeSglangEngine()
+    a = types.SimpleNamespace(out=str(tmp_path / "r.json"), profile_steps=4, profile_batches=[1, 8], prompt_len=128,
+                              prefill=[64, 896], engine="sglang", model="moe", config="ours")
+    runs = []
+
+    def timed(n, length, gen):
+        runs.append((n, length, gen))
+        eng.run(n, length, gen)
+        return n * gen, 1.0
+
+    result = {}
+    E._sglang_profiles(eng, a, timed, result)
+    prof = result["profile"]
+    assert set(prof) == {"1", "8", "prefill"}
+    assert prof["8"]["gpu_us_per_step"] == 7.0 and prof["8"]["trace"].endswith("-DECODE.trace.json.gz")
+    assert prof["prefill"]["gpu_us_per_step"] == 100.0 and prof["prefill"]["tokens_per_step"] == 8192
+    # enough prompts of the prefill length for the profiled steps plus two full chunks
+    assert runs[-1] == (-(-6 * 8192 // 896), 896, 1)
+    starts = [kw for op, kw in eng.calls if op == "start"]
+    assert all(kw["profile_by_stage"] and kw["num_steps"] == 4 and kw["with_stack"] is False for kw in starts)
+    assert not [op for op, _ in eng.calls if op == "stop"]      # every stage closed itself
+
+
+def test_sglang_profile_of_a_short_run_is_closed_and_skipped(tmp_path):
+    import types
+    eng = _FakeSglangEngine(chunk=512, real_chunk=1 << 20)   # the whole prefill in one step: fewer than asked
+    a = types.SimpleNamespace(out=str(tmp_path / "r.json"), profile_steps=4, profile_batches=[], prompt_len=128,
+                              prefill=[64, 896], engine="sglang", model="moe", config="ours")
+    result = {}
+    E._sglang_profiles(eng, a, lambda n, length, gen: (eng.run(n, length, gen), (n, 1.0))[1], result)
+    assert result["profile"] == {}
+    assert [op for op, _ in eng.calls] == ["start", "stop"] and eng.open is None
