@@ -176,8 +176,12 @@ def test_gluon_config_validation_and_selection():
     assert W4Config.from_json(tail.to_json()) == tail
     with pytest.raises(TypeError, match="tail_bm"):        # a Gluon-only field
         TritonWgmmaConfig(bn=64, bm=128, tail_bm=64)
-    # split_tail: whole waves of one tile per SM over all of K, rounded down to whole N columns of tiles
+    import types
     from nvfp4_plugin.gemm import gluon_w4
+    fake_w = types.SimpleNamespace(layout=None, words=torch.empty(2, 1))
+    with pytest.raises(ValueError, match="tail_cfg is for grouped launches"):    # masked rows have no tail
+        gluon_w4.launch_grouped(2, None, fake_w, None, tail, None, None, m=8, m_split=1, tail_cfg=GLUON_CFGS[0])
+    # split_tail: whole waves of one tile per SM over all of K, rounded down to whole N columns of tiles
     assert gluon_w4.dp_tiles(9, 64, 132, True) == 522            # 528 rounded down to a multiple of 9
     assert gluon_w4.dp_tiles(3, 16, 132, True) == 0              # fewer tiles than SMs: all split
     assert gluon_w4.dp_tiles(2, 132, 132, True) == 264           # exact waves: nothing left to split
