@@ -49,6 +49,7 @@ without one, through the interpreter (the table's form, not numbers to quote).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import sys
 import time
@@ -293,7 +294,26 @@ SUSTAINED_CONFIGS = {"bn64 bm128": GluonConfig(bn=64, bm=128, bk=64, num_warps=4
                      "bn64 bm256": GluonConfig(bn=64, bm=256, bk=64, num_warps=4, num_stages=3),
                      "bn128 bm128": GluonConfig(bn=128, bm=128, bk=64, num_warps=8, num_stages=4),
                      "bn128 bm256": GluonConfig(bn=128, bm=256, bk=64, num_warps=8, num_stages=2),
-                     "bn64 bm128 prefetch 4": GluonConfig(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, prefetch=4)}
+                     "bn64 bm128 prefetch 4": GluonConfig(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, prefetch=4),
+                     # each expert's short last rows in a second launch of shorter tiles (GluonConfig.tail_bm)
+                     "bn64 bm256 tail 128": GluonConfig(bn=64, bm=256, bk=64, num_warps=4, num_stages=3, tail_bm=128),
+                     "bn64 bm256 tail 64": GluonConfig(bn=64, bm=256, bk=64, num_warps=4, num_stages=3, tail_bm=64),
+                     "bn64 bm128 tail 64": GluonConfig(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, tail_bm=64)}
+
+
+@contextlib.contextmanager
+def gluon_tail(rows: int):
+    """Selection with ``select.GLUON_TAIL_BM = rows`` inside (0: the 256-row grouped tiles in one launch); the
+    lookup cache is cleared on the way in and out, so the layer selects again."""
+    from nvfp4_plugin.gemm import select as S
+    old = S.GLUON_TAIL_BM
+    S.GLUON_TAIL_BM = rows
+    S.clear_cache()
+    try:
+        yield
+    finally:
+        S.GLUON_TAIL_BM = old
+        S.clear_cache()
 
 
 def sustained(model: dict, tokens: int, with_vllm: bool) -> str:
@@ -318,6 +338,11 @@ def sustained(model: dict, tokens: int, with_vllm: bool) -> str:
         print(md[-1], flush=True)
 
     add("layer, ours", "selected", lambda: w4_fused_moe(x, p13, p2, w, ids))
+
+    def one_launch():
+        with gluon_tail(0):
+            return w4_fused_moe(x, p13, p2, w, ids)
+    add("layer, ours", "short last tiles not split off (GLUON_TAIL_BM 0)", one_launch)
     peer, reason = _vllm_bf16() if with_vllm else (None, "off")
     w13_16, w2_16 = BG.bf16_weights(p13), BG.bf16_weights(p2)
     if peer is not None:

@@ -104,3 +104,19 @@ def test_host_profile_names_our_functions(tmp_path):
     assert text.count("```") == 4 and "benchmarks/bench_moe.py" in text    # the calls themselves, cumulative
     if torch.cuda.is_available():     # on the CPU the interpreter's frames fill the tables
         assert "w4_fused_moe" in text and "moe_routing" in text
+
+
+def test_gluon_tail_switch_reselects_and_restores():
+    """--sustained times the layer with the short last tiles left in the 256-row launch: inside the switch the
+    selection hands out no tail, after it the selected tail again (the lookup cache cleared both ways)."""
+    from nvfp4_plugin.gemm import select as S
+
+    def big():
+        return S.select_config("grouped", 65536, 1536, 2048, 128)
+
+    before = S.GLUON_TAIL_BM
+    assert big().tail_bm == before != 0
+    with M.gluon_tail(0):
+        assert big().tail_bm == 0
+    assert S.GLUON_TAIL_BM == before and big().tail_bm == before
+    assert {c.tail_bm for c in M.SUSTAINED_CONFIGS.values()} >= {0, 64, 128}
