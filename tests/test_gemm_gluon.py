@@ -174,6 +174,9 @@ def test_gluon_config_validation_and_selection():
         GluonConfig(bn=64, bm=128, num_warps=4, tail_bm=128)
     tail = GluonConfig(bn=64, bm=256, bk=64, num_warps=4, num_stages=3, tail_bm=128)
     assert W4Config.from_json(tail.to_json()) == tail
+    # the second launch's config: the tail's rows, the same weight tile and K step, its own x ring
+    assert gsel.tail_config(tail) == GluonConfig(bn=64, bm=128, bk=64, num_warps=4, num_stages=4)
+    assert gsel.tail_config(GLUON_CFGS[1]) is None
     with pytest.raises(TypeError, match="tail_bm"):        # a Gluon-only field
         TritonWgmmaConfig(bn=64, bm=128, tail_bm=64)
     import types

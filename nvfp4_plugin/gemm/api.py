@@ -24,7 +24,7 @@ from . import triton_w4 as tk
 from .layout import PackedW4Weight
 from . import moe_glue
 from .moe_glue import moe_combine, moe_routing, silu_and_mul
-from .select import TritonWgmmaConfig, W4Config, _num_sms, config_fn, first_sizes, gluon_config, select_config
+from .select import TritonWgmmaConfig, W4Config, _num_sms, config_fn, first_sizes, select_config, tail_config
 
 MODES = ("w4a16", "w4a4")
 logger = logging.getLogger("nvfp4_plugin")
@@ -465,9 +465,9 @@ def w4_grouped(x: torch.Tensor, weight: PackedW4Weight, expert_offsets: torch.Te
                 # configs are tuned for, the copy costs far less than the Triton kernel's gather loads)
                 x = (moe_glue.gather_rows(x, gather_idx) if gather_pos is None
                      else moe_glue.spread_rows(x, gather_pos))
-            tail = gluon_config(cfg.bn, cfg.tail_bm, cfg.bk, prefetch=cfg.prefetch) if cfg.tail_bm else None
             g.launch_grouped(1, _tma_ready(x), weight, out, cfg, expert_offsets, _dummy(x.device), m=rows, m_split=ms,
-                             scatter=scatter_idx, row_scale=row_scale, act_scale=act_scale, tail_cfg=tail)
+                             scatter=scatter_idx, row_scale=row_scale, act_scale=act_scale,
+                             tail_cfg=tail_config(cfg))
             return out
         cfg = _without_gluon(cfg)
         ms = _m_split(cfg, rows, num_e)

@@ -398,9 +398,9 @@ def launch_grouped(mode: int, x2: torch.Tensor, w, y2: torch.Tensor, cfg, aux: t
     parts = [(cfg, m_split, 1 if tail_cfg is not None else 0)]
     if tail_cfg is not None:
         parts.append((tail_cfg, -(-(cfg.bm // 2) // tail_cfg.bm), 2))
+    d = dummy
     for c, ms, tail in parts:
         bm, bn, bk = c.bm, c.bn, _bk(lay, c)
-        d = dummy
         fast(w4_wgmma_kernel)[(-(-lay.n // bn), num_e * ms)](
             _x_desc(x2, bm, bk), w.words, w.scales, w.alpha, d, y2, d, act_scale if act_scale is not None else d,
             aux, scatter if scatter is not None else d, row_scale if row_scale is not None else d,

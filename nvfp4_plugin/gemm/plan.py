@@ -13,7 +13,7 @@ import torch
 
 from . import api
 from .layout import HopperW4Layout
-from .select import DequantMmConfig, _select, merge_runs, size_ranges
+from .select import DequantMmConfig, _select, merge_runs, size_ranges, tail_config
 
 
 def _gluon_mod():
@@ -81,10 +81,9 @@ def compile_variant(variant: tuple, capability: tuple[int, int], *, moe_proj: st
     if kind == "triton":
         return [cs.compile_config(cfg, mode=0, arch=arch)]
     if kind == "grouped-gluon":
-        if not cfg.tail_bm:
+        tail = tail_config(cfg)
+        if tail is None:
             return [cs.compile_gluon(cfg, mode=1, arch=arch)]
-        from .select import gluon_config
-        tail = gluon_config(cfg.bn, cfg.tail_bm, cfg.bk, prefetch=cfg.prefetch)
         return [cs.compile_gluon(cfg, mode=1, arch=arch, tail=1),
                 cs.compile_gluon(tail, mode=1, arch=arch, tail=2, bm_main=cfg.bm)]
     compact = variant[2]

@@ -337,6 +337,14 @@ def gluon_config(bn: int, bm: int, bk: int, **kw) -> GluonConfig:
     return GluonConfig(bn=bn, bm=bm, bk=bk, num_warps=bn // 16, num_stages=gluon_stages(bm, bk), **kw)
 
 
+@functools.lru_cache(maxsize=None)
+def tail_config(cfg: GluonConfig) -> GluonConfig | None:
+    """The config of the second launch that takes each expert's short last rows off ``cfg``'s grouped tiles
+    (``cfg.tail_bm``-row tiles, the same weight tile and K step), or None where ``cfg`` has no tail; built once
+    per config (the launch path asks on every call)."""
+    return gluon_config(cfg.bn, cfg.tail_bm, cfg.bk, prefetch=cfg.prefetch) if cfg.tail_bm else None
+
+
 def gluon_heuristic(m: int, n: int, k: int, sms: int = 132) -> W4Config:
     """One warpgroup per 64 weight rows, weights loaded 4 K steps ahead (NOTES.md, "Why Gluon for 64-1024
     rows"); split K until about two programs per SM (at least 8 K steps each): the narrow shapes
