@@ -320,6 +320,27 @@ def idle_gaps(gpu: list[tuple[float, float]], host: list[dict], min_us: float = 
     return out
 
 
+def trace_dir(a) -> str:
+    """The folder the engine's profiler writes this configuration's traces to (made if missing)."""
+    d = str(Path(a.out).with_suffix("")) + "-traces"
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def traces(prof_dir: str) -> set[str]:
+    return set(glob.glob(os.path.join(prof_dir, "*.json*")))
+
+
+def record_profile(result: dict, key: str, prof_dir: str, before: set[str], steps: int, ending: str = "") -> bool:
+    """``result["profile"][key]``: the kernel table of the newest trace (ending in ``ending``) that appeared in
+    ``prof_dir`` since ``before``; False where none did."""
+    new = sorted((f for f in traces(prof_dir) - before if f.endswith(ending)), key=os.path.getmtime)
+    if not new:
+        return False
+    result["profile"][key] = dict(kernel_table(new[-1], steps), trace=os.path.basename(new[-1]))
+    return True
+
+
 #: torch caching-allocator counters read in the engine's worker around one prefill run: a cudaMalloc retry
 #: (the allocator freeing its cache to satisfy a request) synchronises the device, which the kernel
 #: profile does not show but wall time does (the MoE prefill's wall time exceeds its GPU time by more
@@ -358,8 +379,7 @@ def _vllm_worker(a, result: dict) -> None:
         os.environ["VLLM_ALLREDUCE_USE_SYMM_MEM"] = "0"
     prof_dir = None
     if a.profile_batches:
-        prof_dir = str(Path(a.out).with_suffix("") ) + "-traces"
-        os.makedirs(prof_dir, exist_ok=True)
+        prof_dir = trace_dir(a)
         kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": prof_dir, "torch_profiler_with_stack": False,
                                  "ignore_frontend": True, "delay_iterations": a.profile_delay,
                                  "max_iterations": a.profile_steps}
@@ -394,15 +414,12 @@ def _vllm_worker(a, result: dict) -> None:
         return
 
     def profiled(key: str, n: int, length: int, gen: int, run=None) -> None:
-        before = set(glob.glob(os.path.join(prof_dir, "*.json*")))
+        before = traces(prof_dir)
         llm.start_profile()
         (run or timed)(n, length, gen)
         llm.stop_profile()
         # (vLLM names every trace after the first start's prefix: take the files this run added)
-        new = sorted(set(glob.glob(os.path.join(prof_dir, "*.json*"))) - before, key=os.path.getmtime)
-        if new:
-            result["profile"][key] = kernel_table(new[-1], a.profile_steps)
-            result["profile"][key]["trace"] = os.path.basename(new[-1])
+        record_profile(result, key, prof_dir, before, a.profile_steps)
 
     result["profile"] = {}
     for b in a.profile_batches:
@@ -467,27 +484,22 @@ def _sglang_profiles(engine, a, timed, result: dict) -> None:
     """SGLang's torch profiler by stage (its scheduler starts a trace at a run's first step of each stage and
     writes it after ``--profile-steps`` of them): decode steps at each ``--profile-batches`` size, and full
     prefill chunks (``chunked_prefill_size`` prompt tokens each), into ``result["profile"]`` as for vLLM."""
-    prof_dir = str(Path(a.out).with_suffix("")) + "-traces"
-    os.makedirs(prof_dir, exist_ok=True)
+    prof_dir = trace_dir(a)
     steps = a.profile_steps
 
     def profiled(key: str, stage: str, n: int, length: int, gen: int) -> None:
-        before = set(glob.glob(os.path.join(prof_dir, "*.json*")))
+        before = traces(prof_dir)
         engine.start_profile(output_dir=prof_dir, num_steps=steps, profile_by_stage=True, activities=["CPU", "GPU"],
                              with_stack=False, record_shapes=False, profile_id=f"p{len(before)}")
         timed(n, length, gen)
-        new = set(glob.glob(os.path.join(prof_dir, "*.json*"))) - before
-        staged = sorted((f for f in new if f.endswith(f"-{stage}.trace.json.gz")), key=os.path.getmtime)
-        if not staged:
-            # the run ended before the stage's steps did: close the trace (SGLang raises if none is open)
-            try:
-                engine.stop_profile()
-            except RuntimeError as exc:
-                print(f"[{a.engine} {a.model} {a.config}] profile {key}: {exc}", flush=True)
-            print(f"[{a.engine} {a.model} {a.config}] profile {key}: no {stage} trace of {steps} steps", flush=True)
+        if record_profile(result, key, prof_dir, before, steps, ending=f"-{stage}.trace.json.gz"):
             return
-        result["profile"][key] = kernel_table(staged[-1], steps)
-        result["profile"][key]["trace"] = os.path.basename(staged[-1])
+        # the run ended before the stage's steps did: close the trace (SGLang raises if none is open)
+        try:
+            engine.stop_profile()
+        except RuntimeError as exc:
+            print(f"[{a.engine} {a.model} {a.config}] profile {key}: {exc}", flush=True)
+        print(f"[{a.engine} {a.model} {a.config}] profile {key}: no {stage} trace of {steps} steps", flush=True)
 
     result["profile"] = {}
     for b in a.profile_batches:
