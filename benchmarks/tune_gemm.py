@@ -39,7 +39,11 @@ from nvfp4_plugin.gemm import (DequantMmConfig, HopperW4Layout, TritonMmaConfig,
 from nvfp4_plugin.gemm import select as gsel  # noqa: E402
 
 DENSE_BUCKETS = [1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
-GROUPED_TOKENS = bg.MOE_TOKENS          # routed rows = tokens * top_k are the bucket keys
+#: Routed rows = tokens * top_k are the bucket keys, and a bucket covers every size up to its key. The largest
+#: is 2048 tokens (128 rows per expert at top-8): from 192 rows per expert select.heuristic's 256-row tiles with
+#: the short last rows split off win (GLUON_BM256_EXPERT_ROWS; bench_moe --sustained times those tail configs),
+#: and a bucket tuned at 4096 tokens would hand its pick down to 1025 tokens, where it loses.
+GROUPED_TOKENS = [t for t in bg.MOE_TOKENS if t < 2048] + [2048]
 MASKED_MAX_M = bg.MASKED_MAX_M
 
 

@@ -198,10 +198,18 @@ def test_gluon_config_validation_and_selection():
     assert not gsel.heuristic("dense", gsel.GLUON_MIN_M, 4096, 4096).gluon
     # grouped / masked: from GLUON_MIN_EXPERT_ROWS rows per active expert
     assert gsel.heuristic("grouped", 32768, 1536, 2048, 128).gluon
-    # 256-row grouped tiles hand each expert's short last rows to GLUON_TAIL_BM-row tiles; 128-row ones do not
-    big = gsel.heuristic("grouped", 65536, 1536, 2048, 128)
-    assert (big.bm, big.tail_bm) == (256, gsel.GLUON_TAIL_BM) and gsel.GLUON_TAIL_BM in (0, 64, 128)
-    assert gsel.heuristic("grouped", 32768, 1536, 2048, 128).tail_bm == 0
+    # 256-row grouped tiles from GLUON_BM256_EXPERT_ROWS rows per expert hand each expert's short last rows to
+    # a second launch: GLUON_TAIL_BM-row tiles where the mean leaves few rows past whole tiles, 128-row ones
+    # where it leaves 49-160; 128-row tiles have no tail
+    assert gsel.GLUON_TAIL_BM in (0, 64, 128) and gsel.GLUON_BM256_EXPERT_ROWS == 192
+    few, mid_rows = gsel.GLUON_TAIL_BM, (305, 384, 416)            # remainders past 256-row tiles: 49, 128, 160
+    cases = [(r, few) for r in (192, 256, 304, 417, 512, 1024)] + [(r, 128) for r in mid_rows]
+    for rows_per_expert, tail in cases:
+        big = gsel.heuristic("grouped", 128 * rows_per_expert, 1536, 2048, 128)
+        assert (big.bm, big.tail_bm) == (256, tail), (rows_per_expert, big)
+        assert gsel.grouped_tail_bm(rows_per_expert) == tail
+    mid = gsel.heuristic("grouped", 128 * 191, 1536, 2048, 128)
+    assert (mid.gluon, mid.bm, mid.tail_bm) == (True, 128, 0)
     assert not gsel.heuristic("grouped", 8192, 1536, 2048, 128).gluon
     assert gsel.heuristic("masked", 256, 4096, 7168, 256).gluon and not gsel.heuristic("masked", 64, 4096, 7168, 256).gluon
     assert gsel.heuristic("dense", gsel.DEQUANT_MM_MIN_M, 4096, 4096).dequant_mm

@@ -120,6 +120,22 @@ def test_shipped_config_files_parse(monkeypatch):
     gsel.clear_cache()
 
 
+def test_h200_table_hands_prefill_chunks_to_256_row_tiles(monkeypatch):
+    """On the H200 the Qwen3-30B-A3B grouped GEMMs take the tuned 128-row Gluon tiles up to 2048 tokens and the
+    heuristic's 256-row tiles with split-off tails from 3072 (results/moe_h200.md, "256-row tiles from 192
+    rows"): 64-row tails where the mean leaves few rows past whole tiles, 128-row ones at 6144 tokens."""
+    monkeypatch.delenv(gsel.ENV_CONFIG_DIR, raising=False)
+    gsel.clear_cache()
+    for n, k in ((1536, 2048), (2048, 768)):
+        def pick(tokens):
+            c = gsel._select("grouped", tokens * 8, n, k, 128, "NVIDIA_H200", 132)
+            return (c.FAMILY, c.bm, c.tail_bm if c.gluon else None)
+        assert pick(2048) == ("gluon", 128, 0), (n, k)
+        assert pick(3072) == pick(4096) == pick(8192) == pick(16384) == ("gluon", 256, gsel.GLUON_TAIL_BM), (n, k)
+        assert pick(6144) == ("gluon", 256, 128), (n, k)
+    gsel.clear_cache()
+
+
 def test_selection_stays_within_max_safe_bm(monkeypatch):
     for kind, m, n, k, e in (("dense", 1000, 4096, 1024, 1), ("dense", 4096, 28672, 4096, 1),
                              ("grouped", 32768, 4096, 7168, 256), ("masked", 256, 4096, 7168, 256)):

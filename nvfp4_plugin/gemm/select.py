@@ -314,16 +314,37 @@ GLUON_MIN_EXPERT_ROWS = 128
 #: weight tile then serves twice the rows, half the decode work per FLOP. On the H200 at 1024 rows per
 #: expert (Qwen3-30B-A3B, 16384 tokens) the up projection took 1615 against 1739 µs and the down 948 against
 #: 994 µs under sustained load, where the GPU runs at its power cap (~1.5 GHz), 1420 against 1566 µs (up)
-#: in a short burst (``bench_moe --sustained 16384``; results/moe_h200.md, "Power").
-GLUON_BM256_EXPERT_ROWS = 512
+#: in a short burst (``bench_moe --sustained 16384``; results/moe_h200.md, "Power"). With each expert's short
+#: last rows split off (``GLUON_TAIL_BM``) they win from 192 rows per expert: up / down 380 / 226 against
+#: 432 / 247 µs at 3072 tokens, 496 / 295 against 534 / 309 at 4096, 687 / 406 against 742 / 429 at 6144;
+#: level at 128 (2048 tokens: 317 / 181 against 319 / 184; results/moe_h200.md, "256-row tiles from 192 rows").
+GLUON_BM256_EXPERT_ROWS = 192
 
 #: Rows of the second launch's tiles that take each expert's last at most 128 rows off the 256-row tiles
-#: (``GluonConfig.tail_bm``; 0: one launch, the last tile computed whole however few rows it holds). A tile
+#: where experts leave few rows past whole tiles (``grouped_tail_bm`` picks 128-row tails elsewhere;
+#: ``GluonConfig.tail_bm``; 0: one launch, the last tile computed whole however few rows it holds). A tile
 #: computes all its rows, so with about 512 rows per expert a quarter of the 256-row tiles' work was rows
 #: no expert has. On the H200 (Qwen3-30B-A3B layer, sustained load, the same bytes out) 64-row tail tiles
 #: took the layer from 1692-1696 to 1612-1615 µs at 8192 tokens and 3088-3089 to 3011-3014 at 16384
 #: (128-row tails: 1637 / 3031-3033; results/moe_h200.md, "Short last tiles").
 GLUON_TAIL_BM = 64
+
+
+def grouped_tail_bm(rows: int) -> int:
+    """Tail tile height for 256-row grouped tiles at ``rows`` (mean) rows per expert; 0 with the tails off.
+
+    A tile decodes its weight tile whatever its height and its MMAs grow with it, so an expert's leftover
+    rows past its whole 256-row tiles cost least in one 64-row tile up to 64 rows and in one 128-row tile
+    from 65 to 128 (two 64-row tiles decode the weights twice). Experts' row counts spread a few dozen rows
+    around the mean, so the mean's remainder picks the height: 128 where it is 49-160 (most experts leave
+    65-128 rows, or enough to keep in the main tile), ``GLUON_TAIL_BM`` otherwise (a remainder near 0: the
+    experts above the mean leave a few rows). H200, up / down µs sustained (``bench_moe --sustained``): 6144
+    tokens (384 rows, remainder 128) 687 / 406 with 128-row tails against 743 / 434 with 64; 2048 (128) 317 /
+    181 against 373 / 213; 4096 (256, remainder 0) 510 / 302 against 496 / 295; 8192 (512) 862 / 510 against
+    848 / 503."""
+    if not GLUON_TAIL_BM:
+        return 0
+    return 128 if 48 < rows % 256 <= 160 else GLUON_TAIL_BM
 
 
 def gluon_stages(bm: int, bk: int) -> int:
@@ -379,7 +400,7 @@ def heuristic(kind: str, m: int, n: int, k: int, e: int = 1, sms: int = 132) -> 
         rows = m
     if kind != "dense" and rows >= GLUON_MIN_EXPERT_ROWS:
         if kind == "grouped" and rows >= GLUON_BM256_EXPERT_ROWS:
-            return gluon_config(64, 256, 64, tail_bm=GLUON_TAIL_BM)
+            return gluon_config(64, 256, 64, tail_bm=grouped_tail_bm(rows))
         return gluon_config(64, 128, 64)
     if rows <= 8:
         cfg = TritonMmaConfig(bn=64, bm=8, bk=bk, num_warps=4, num_stages=4 if bk == 256 else 5)
