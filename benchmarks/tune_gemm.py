@@ -91,7 +91,7 @@ def dense_candidates(m: int, n: int, k: int) -> list[W4Config]:
     if m <= 8:
         return _streaming_space(8, (True,), lambda bn: math.ceil(n / bn), k, True)
     if m <= 16:
-        return _streaming_space(16, (False, True), lambda bn: math.ceil(n / bn), k, True)
+        return _streaming_space(16, (False, True), lambda bn: math.ceil(n / bn), k, True) + gluon_candidates(m, n, k)
     cands = []
     if m <= 64:
         for bm in (32, 64):
@@ -125,16 +125,18 @@ def dense_candidates(m: int, n: int, k: int) -> list[W4Config]:
 
 
 def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list[W4Config]:
-    """The Gluon kernel (dense, more than 16 rows): 1 or 2 warpgroups, 64- to 256-token tiles, K steps of
+    """The Gluon kernel (dense, more than 8 rows): 1 or 2 warpgroups, 16- to 256-token tiles, K steps of
     64 or 128 with as many x buffers as fit, weights loaded 2 or 4 K steps ahead, the two split-K factors
     that bring the program count closest to 1-2 per SM (narrow N with long K has few output tiles), and
     where the tiles end in a partial wave, split K of that wave's tiles only (split_tail). 64-token tiles
-    only at 17-64 rows (offered at 128-256 rows on the H200 they won nothing, 2026-11-25)."""
-    if m <= 16:
+    only at 17-64 rows (offered at 128-256 rows on the H200 they won nothing, 2026-11-25); 16- and 32-token
+    tiles at 9-16 and 17-32 rows, where the Triton configs have no decode / wgmma overlap."""
+    if m <= 8:
         return []
+    bms = (16,) if m <= 16 else (32, 64) if m <= 32 else (64,) if m <= 64 else (128, 256)
     cands = []
     for bn in (64, 128):
-        for bm in ((64,) if m <= 64 else (128, 256)):
+        for bm in bms:
             for bk in (64, 128):
                 tiles = math.ceil(m / bm) * math.ceil(n / bn)
                 steps = math.ceil(k / bk)

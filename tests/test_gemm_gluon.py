@@ -24,6 +24,9 @@ GLUON_CFGS = [GluonConfig(bn=64, bm=128, bk=64, num_warps=4, num_stages=4),
                # leave 0-3 steps after the unrolled loop
                GluonConfig(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, prefetch=4),
                GluonConfig(bn=128, bm=256, bk=64, num_warps=8, num_stages=2, split_k=3, prefetch=4),
+               # small-batch tiles (the tuner's 9-32 rows): 32 and 16 tokens, many M tiles at the larger M
+               GluonConfig(bn=64, bm=32, bk=64, num_warps=4, num_stages=4, split_k=4, prefetch=4),
+               GluonConfig(bn=128, bm=16, bk=128, num_warps=8, num_stages=4, split_k=2),
                # split only the tiles past the last whole wave: at 1030 x 4100 (585 tiles of 128 rows x 64 on 132
                # SMs) 522 tiles over all of K and 63 split 2 ways (N columns 3712-4099, the last one ragged),
                # at 333 x 1000 (48 tiles) all split
@@ -34,7 +37,8 @@ GLUON_CFGS = [GluonConfig(bn=64, bm=128, bk=64, num_warps=4, num_stages=4),
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", GLUON_CFGS, ids=["bn64bm128", "bn64bm256split3", "bn128bm128bk128",
                                                   "bn128bm256split2", "bn64bm64split8", "bn64bm128pf4",
-                                                  "bn128bm256split3pf4", "bn64bm128splittail"])
+                                                  "bn128bm256split3pf4", "bn64bm32split4pf4", "bn128bm16bk128split2",
+                                                  "bn64bm128splittail"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_gluon_dense(cfg, dtype):
     """The explicitly pipelined Gluon kernel: odd M / N / K (K not a multiple of the K step), bias of
@@ -160,6 +164,10 @@ def test_gluon_config_validation_and_selection():
         W4Config.from_json(dict(bn=64, bm=128, v2=True, gluon=True))
     with pytest.raises(ValueError, match="does not fit"):
         GluonConfig(bn=64, bm=256, bk=128, num_warps=4, num_stages=4)
+    for bm in (8, 16, 32, 64, 128, 256):                           # every token tile (the wgmma's N)
+        cfg = gsel.gluon_config(64, bm, 64)
+        assert cfg.num_stages == 4 or bm > 64, cfg
+        assert W4Config.from_json(cfg.to_json()) == cfg
     assert W4Config.from_json(GLUON_CFGS[1].to_json()) == GLUON_CFGS[1]
     with pytest.raises(TypeError, match="split_tail"):             # a Gluon-only field
         TritonWgmmaConfig(bn=64, bm=128, split_k=2, split_tail=True)
@@ -221,6 +229,9 @@ def test_gluon_config_validation_and_selection():
         assert ulp_error(y, dense_ref(x, w), torch.bfloat16, "gluon_fallback") <= 2
         # gluon-only options (the heuristic's prefetch=4, a tuned split_tail) do not reach the Triton kernel
         assert torch.equal(w4_linear(x, prepack(w, torch.bfloat16), config=GLUON_CFGS[-1]), y)
+        # nor do 8-token tiles, which the wgmma stand-in does not have (it takes 16)
+        y8 = w4_linear(x[:5], prepack(w, torch.bfloat16), config=gsel.gluon_config(64, 8, 64))
+        assert ulp_error(y8, dense_ref(x[:5], w), torch.bfloat16, "gluon_fallback") <= 2
         assert gsel.heuristic("dense", 70, 130, 96).prefetch == 4
         assert torch.equal(w4_linear(x, prepack(w, torch.bfloat16)), y)
         we = make_weight((3,), 72, 96, seed=3)

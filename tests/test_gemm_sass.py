@@ -170,6 +170,9 @@ GLUON_CASES = [(dict(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True
                (dict(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True, prefetch=4), 0, 0, 0),
                (dict(bn=128, bm=256, bk=64, num_warps=8, num_stages=2, gluon=True, split_k=2, prefetch=4), 0, 0, 0),
                (dict(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True, prefetch=4), 1, 0, 0),
+               # the small-batch tiles the tuner offers at 9-32 rows
+               (dict(bn=64, bm=32, bk=64, num_warps=4, num_stages=4, gluon=True, split_k=4, prefetch=4), 0, 0, 0),
+               (dict(bn=128, bm=16, bk=128, num_warps=8, num_stages=4, gluon=True, split_k=2), 0, 0, 0),
                # grouped with an expert's short last tile split off: the 256-row launch, then the 128-row tiles
                (dict(bn=64, bm=256, bk=64, num_warps=4, num_stages=3, gluon=True, tail_bm=128), 1, 1, 0),
                (dict(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True), 1, 2, 256)]
@@ -178,7 +181,8 @@ GLUON_CASES = [(dict(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True
 @pytest.mark.parametrize("cfg,mode,tail,bm_main", GLUON_CASES,
                          ids=["bn64bm128", "bn64bm256", "bn128bm256bk128split", "grouped_bn64bm128",
                               "masked_bn64bm128bk128", "bn64bm128pf4", "bn128bm256split_pf4", "grouped_bn64bm128pf4",
-                              "grouped_bn64bm256_tail1", "grouped_bn64bm128_tail2"])
+                              "bn64bm32split_pf4", "bn128bm16bk128split", "grouped_bn64bm256_tail1",
+                              "grouped_bn64bm128_tail2"])
 @pytest.mark.parametrize("fp16", [False, True], ids=["bf16", "fp16"])
 def test_sm90_sass_gluon(cfg, mode, tail, bm_main, fp16):
     """The Gluon kernel (dense, grouped with scatter and row scale, masked; weights loaded 2 or 4 K steps

@@ -61,7 +61,7 @@ def _unit_stride(v: torch.Tensor | None) -> torch.Tensor | None:
 
 def _without_gluon(cfg: W4Config) -> TritonWgmmaConfig:
     """The Triton-kernel config that stands in for a gluon one where Gluon cannot run."""
-    return TritonWgmmaConfig(bn=128, bm=min(cfg.bm, 128), bk=cfg.bk, split_k=1, num_warps=8,
+    return TritonWgmmaConfig(bn=128, bm=min(max(cfg.bm, 16), 128), bk=cfg.bk, split_k=1, num_warps=8,
                              num_stages=max(cfg.num_stages, 3), m_split=cfg.m_split, group_m=cfg.group_m)
 
 

@@ -178,9 +178,12 @@ class TritonWgmmaConfig(W4Config):
 
 @dataclass(frozen=True)
 class GluonConfig(W4Config):
-    """The explicitly pipelined kernel of :mod:`.gluon_w4`: bn 64 or 128 with bn/16 warps, bm 64-256, bk
-    64 or 128, x by TMA in ``num_stages`` buffers (dense, grouped without a gather index, masked;
-    compiled GPUs only, otherwise the Triton kernel runs instead). ``prefetch``: K steps ahead the weight
+    """The explicitly pipelined kernel of :mod:`.gluon_w4`: bn 64 or 128 with bn/16 warps, bm 8-256 (the
+    wgmma's N: swap AB puts the weight rows on its M side; the heuristic hands out 64 and up, the tuner also
+    offers 16 and 32; 8 compiles clean but spends ~33 instructions per weight word in its K loop against the
+    mma.sync decode kernel's ~25, so it is not offered), bk 64 or 128, x by TMA in ``num_stages`` buffers
+    (dense, grouped without a gather index, masked; compiled GPUs only, otherwise the Triton kernel runs
+    instead). ``prefetch``: K steps ahead the weight
     words and scales are loaded into registers (2 or 4); ``split_tail``: dense with split_k > 1 only,
     compute the whole waves of tiles (one per SM) over all of K and split only the tiles left over;
     ``tail_bm``: grouped only (0: off), each expert's last at most bm/2 rows go to a second launch with tiles
@@ -199,9 +202,9 @@ class GluonConfig(W4Config):
         if self.bn not in (64, 128) or self.num_warps != self.bn // 16:
             raise ValueError(f"GluonConfig: needs bn 64 or 128 with bn/16 warps, got bn={self.bn}, "
                              f"num_warps={self.num_warps}")
-        if self.bm < 64 or self.bk > 128 or self.num_stages < 2:
-            raise ValueError(f"GluonConfig: needs bm >= 64, bk <= 128, num_stages >= 2, got bm={self.bm}, "
-                             f"bk={self.bk}, num_stages={self.num_stages}")
+        if self.bk > 128 or self.num_stages < 2:
+            raise ValueError(f"GluonConfig: needs bk <= 128, num_stages >= 2, got bk={self.bk}, "
+                             f"num_stages={self.num_stages}")
         if self.prefetch not in (2, 4):
             raise ValueError(f"GluonConfig.prefetch: expected 2 or 4 (K steps), got {self.prefetch}")
         if self.num_stages * self.bm * self.bk * 2 > 160 * 1024:
@@ -348,9 +351,10 @@ def grouped_tail_bm(rows: int) -> int:
 
 
 def gluon_stages(bm: int, bk: int) -> int:
-    """x buffers of a Gluon config: as many as fit beside the other operands (96-128 KB of ring; the
-    64-token tiles keep 4 buffers, enough to cover a load's latency)."""
-    return {(64, 64): 4, (64, 128): 4, (128, 64): 4, (256, 64): 3, (128, 128): 3, (256, 128): 2}[(bm, bk)]
+    """x buffers of a Gluon config: as many as fit beside the other operands (96-128 KB of ring; tiles of
+    64 tokens or fewer keep 4 buffers, enough to cover a load's latency)."""
+    return {(8, 64): 4, (8, 128): 4, (16, 64): 4, (16, 128): 4, (32, 64): 4, (32, 128): 4,
+            (64, 64): 4, (64, 128): 4, (128, 64): 4, (256, 64): 3, (128, 128): 3, (256, 128): 2}[(bm, bk)]
 
 
 def gluon_config(bn: int, bm: int, bk: int, **kw) -> GluonConfig:
