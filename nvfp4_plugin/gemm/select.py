@@ -183,12 +183,11 @@ class GluonConfig(W4Config):
     offers 16 and 32; 8 compiles clean but spends ~33 instructions per weight word in its K loop against the
     mma.sync decode kernel's ~25, so it is not offered), bk 64 or 128, x by TMA in ``num_stages`` buffers
     (dense, grouped without a gather index, masked; compiled GPUs only, otherwise the Triton kernel runs
-    instead). ``prefetch``: K steps ahead the weight
-    words and scales are loaded into registers (2 or 4); ``split_tail``: dense with split_k > 1 only,
-    compute the whole waves of tiles (one per SM) over all of K and split only the tiles left over;
-    ``tail_bm``: grouped only (0: off), each expert's last at most bm/2 rows go to a second launch with tiles
-    of tail_bm rows (a tile computes all its rows, the expert's or not: a short last tile of bm rows costs
-    a full one)."""
+    instead). ``prefetch``: K steps ahead the weight words and scales are loaded into registers (2 or 4);
+    ``split_tail``: dense with split_k > 1 only, compute the whole waves of tiles (one per SM) over all of K
+    and split only the tiles left over; ``tail_bm``: grouped only (0: off), each expert's last at most bm/2
+    rows go to a second launch with tiles of tail_bm rows (a tile computes all its rows, the expert's or not:
+    a short last tile of bm rows costs a full one)."""
 
     prefetch: int = 2
     split_tail: bool = False
