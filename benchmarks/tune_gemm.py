@@ -128,9 +128,10 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list[W4Config]:
     """The Gluon kernel (dense, more than 8 rows): 1 or 2 warpgroups, 16- to 256-token tiles, K steps of
     64 or 128 with as many x buffers as fit, weights loaded 2 or 4 K steps ahead, the two split-K factors
     that bring the program count closest to 1-2 per SM (narrow N with long K has few output tiles), and
-    where the tiles end in a partial wave, split K of that wave's tiles only (split_tail). 64-token tiles
-    only at 17-64 rows (offered at 128-256 rows on the H200 they won nothing, 2026-11-25); 16- and 32-token
-    tiles at 9-16 and 17-32 rows, where the Triton configs have no decode / wgmma overlap."""
+    where the tiles end in a partial wave, split K of that wave's tiles only (split_tail); every split config
+    both with the reduce launch and with the partials summed by each tile's last program (fixup). 64-token
+    tiles only at 17-64 rows (offered at 128-256 rows on the H200 they won nothing, 2026-11-25); 16- and
+    32-token tiles at 9-16 and 17-32 rows, where the Triton configs have no decode / wgmma overlap."""
     if m <= 8:
         return []
     bms = (16,) if m <= 16 else (32, 64) if m <= 32 else (64,) if m <= 64 else (128, 256)
@@ -144,11 +145,14 @@ def gluon_candidates(m: int, n: int, k: int, sms: int = 132) -> list[W4Config]:
                 opts.sort(key=lambda s: abs(math.log(tiles * s / (1.5 * sms))))
                 for sk in sorted(opts[:2]):
                     for pf in (2, 4):
-                        cands.append(gsel.gluon_config(bn, bm, bk, split_k=sk, prefetch=pf))
+                        for fx in ((False, True) if sk > 1 else (False,)):
+                            cands.append(gsel.gluon_config(bn, bm, bk, split_k=sk, prefetch=pf, fixup=fx))
                 if tiles > sms and tiles % sms:      # a partial last wave: split only its tiles
                     for sk in (2, 4):
                         if steps // sk >= 4:
-                            cands.append(gsel.gluon_config(bn, bm, bk, split_k=sk, prefetch=4, split_tail=True))
+                            for fx in (False, True):
+                                cands.append(gsel.gluon_config(bn, bm, bk, split_k=sk, prefetch=4, split_tail=True,
+                                                               fixup=fx))
     return cands
 
 

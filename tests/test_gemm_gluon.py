@@ -66,6 +66,42 @@ def test_gpu_gluon_dense(cfg, dtype):
     assert torch.equal(yg, w4_linear(x, p, config=cfg))
 
 
+# split-K partials summed by each tile's last program: every tile split (bm32 4 ways, bm16 2 ways, bm256 3 ways)
+# and only the last partial wave's tiles split
+FIXUP_CFGS = [GLUON_CFGS[7], GLUON_CFGS[8], GLUON_CFGS[6], GLUON_CFGS[-1]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", FIXUP_CFGS, ids=["bm32split4", "bm16split2", "bm256split3", "splittail"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gluon_fixup_equals_reduce_launch(cfg, dtype):
+    """``fixup``: the tile's last program to arrive adds the partials in split order, so the output equals the
+    reduce launch's bit for bit (bias, w4a4, odd sizes, more than one wave); the counters are zero again after
+    every call and after graph replays, so the next call (another shape, the same stream) starts clean."""
+    import dataclasses
+
+    from nvfp4_plugin.gemm import api
+
+    fx = dataclasses.replace(cfg, fixup=True)
+    for (m, n, k) in ((1, 64, 64), (30, 200, 1040), (333, 1000, 4112), (1030, 4100, 2048), (32, 28672, 4096)):
+        w = make_weight((), n, k, seed=m + n)
+        p = prepack(w, dtype)
+        x = act((m, k), dtype, seed=m + 1)
+        bias = act((n,), dtype, seed=5)
+        for b in (None, bias):
+            y = w4_linear(x, p, b, config=fx)
+            assert torch.equal(y, w4_linear(x, p, b, config=cfg)), (m, n, k, b is not None)
+            assert torch.equal(w4_linear(x, p, b, config=fx), y)
+        gs = nx.tensor_global_scale(x.float()).reshape(1)
+        assert torch.equal(w4_linear(x, p, mode="w4a4", input_global_scale=gs, config=fx),
+                           w4_linear(x, p, mode="w4a4", input_global_scale=gs, config=cfg))
+        assert ulp_error(y, dense_ref(x, w, bias), dtype, f"gluon_fixup/{dtype}") <= 2
+        yg = graph_replay(lambda: w4_linear(x, p, config=fx))
+        assert torch.equal(yg, w4_linear(x, p, config=cfg))
+        torch.cuda.synchronize()
+        assert all(int(c.count_nonzero()) == 0 for c in api._COUNTERS.values())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [GLUON_CFGS[0], GLUON_CFGS[2], GluonConfig(bn=64, bm=128, bk=128, num_warps=4,
                                                                          num_stages=3, m_split=2),
@@ -173,6 +209,13 @@ def test_gluon_config_validation_and_selection():
         TritonWgmmaConfig(bn=64, bm=128, split_k=2, split_tail=True)
     with pytest.raises(ValueError, match="needs split_k >= 2"):
         GluonConfig(bn=64, bm=128, num_warps=4, split_tail=True)
+    with pytest.raises(ValueError, match="GluonConfig.fixup: .*needs split_k >= 2"):
+        GluonConfig(bn=64, bm=128, num_warps=4, fixup=True)
+    with pytest.raises(TypeError, match="fixup"):                  # a Gluon-only field
+        TritonWgmmaConfig(bn=64, bm=32, split_k=4, fixup=True)
+    fx = gsel.gluon_config(64, 32, 64, split_k=4, prefetch=4, fixup=True)
+    assert W4Config.from_json(fx.to_json()) == fx and fx.to_json()["fixup"] is True
+    assert "fixup" not in GLUON_CFGS[7].to_json()                  # the tables' entries without it read as before
     with pytest.raises(ValueError, match="prefetch"):
         GluonConfig(bn=64, bm=128, num_warps=4, prefetch=3)
     for bad in (32, 96, 256):
@@ -192,6 +235,9 @@ def test_gluon_config_validation_and_selection():
     fake_w = types.SimpleNamespace(layout=None, words=torch.empty(2, 1))
     with pytest.raises(ValueError, match="tail_cfg is for grouped launches"):    # masked rows have no tail
         gluon_w4.launch_grouped(2, None, fake_w, None, tail, None, None, m=8, m_split=1, tail_cfg=GLUON_CFGS[0])
+    fake_w = types.SimpleNamespace(layout=types.SimpleNamespace(n=256, k_pad=4096))
+    with pytest.raises(ValueError, match="fixup config .* needs counters"):       # split 4 ways: needs its counters
+        gluon_w4.launch_dense(torch.empty(32, 4096), fake_w, None, fx, None)
     # split_tail: whole waves of one tile per SM over all of K, rounded down to whole N columns of tiles
     assert gluon_w4.dp_tiles(9, 64, 132, True) == 522            # 528 rounded down to a multiple of 9
     assert gluon_w4.dp_tiles(3, 16, 132, True) == 0              # fewer tiles than SMs: all split

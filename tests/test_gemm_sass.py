@@ -157,9 +157,11 @@ cfg = W4Config.from_json(json.loads(sys.argv[1]))
 ck = I.compile_gluon(cfg, fp16=sys.argv[2] == "1", split=cfg.split_k > 1, mode=int(sys.argv[3]),
                      tail=int(sys.argv[4]), bm_main=int(sys.argv[5]))
 s = I.summary(ck)
-body = I._wgmma_loop_body(I.sass_text(ck))   # the innermost loop that issues wgmmas
+sass = I.sass_text(ck)
+body = I._wgmma_loop_body(sass)   # the innermost loop that issues wgmmas
 ops = collections.Counter(t.split()[0].split(".")[0] for _, t in body)
-print(json.dumps(dict(local=s["local"], hgmma=s["hgmma"], loop_ops=ops, hazards=s["rs_wgmma_hazards"])))
+atoms = sum(1 for line in sass.splitlines() if "ATOMG" in line)
+print(json.dumps(dict(local=s["local"], hgmma=s["hgmma"], loop_ops=ops, hazards=s["rs_wgmma_hazards"], atoms=atoms)))
 """
 
 GLUON_CASES = [(dict(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True), 0, 0, 0),
@@ -173,6 +175,9 @@ GLUON_CASES = [(dict(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True
                # the small-batch tiles the tuner offers at 9-32 rows
                (dict(bn=64, bm=32, bk=64, num_warps=4, num_stages=4, gluon=True, split_k=4, prefetch=4), 0, 0, 0),
                (dict(bn=128, bm=16, bk=128, num_warps=8, num_stages=4, gluon=True, split_k=2), 0, 0, 0),
+               # split-K partials summed by each tile's last program (an atomic counter per tile)
+               (dict(bn=64, bm=32, bk=64, num_warps=4, num_stages=4, gluon=True, split_k=4, prefetch=4, fixup=True),
+                0, 0, 0),
                # grouped with an expert's short last tile split off: the 256-row launch, then the 128-row tiles
                (dict(bn=64, bm=256, bk=64, num_warps=4, num_stages=3, gluon=True, tail_bm=128), 1, 1, 0),
                (dict(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True), 1, 2, 256)]
@@ -181,14 +186,15 @@ GLUON_CASES = [(dict(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True
 @pytest.mark.parametrize("cfg,mode,tail,bm_main", GLUON_CASES,
                          ids=["bn64bm128", "bn64bm256", "bn128bm256bk128split", "grouped_bn64bm128",
                               "masked_bn64bm128bk128", "bn64bm128pf4", "bn128bm256split_pf4", "grouped_bn64bm128pf4",
-                              "bn64bm32split_pf4", "bn128bm16bk128split", "grouped_bn64bm256_tail1",
-                              "grouped_bn64bm128_tail2"])
+                              "bn64bm32split_pf4", "bn128bm16bk128split", "bn64bm32split_fixup",
+                              "grouped_bn64bm256_tail1", "grouped_bn64bm128_tail2"])
 @pytest.mark.parametrize("fp16", [False, True], ids=["bf16", "fp16"])
 def test_sm90_sass_gluon(cfg, mode, tail, bm_main, fp16):
     """The Gluon kernel (dense, grouped with scatter and row scale, masked; weights loaded 2 or 4 K steps
-    ahead; grouped launches with an expert's short last tile split off): register-A wgmmas that no instruction overwrites while they may still read them, in the loop
-    or the peeled last steps; the decode and scale multiply in registers (no shared-memory store in the
-    loop); no local memory."""
+    ahead; grouped launches with an expert's short last tile split off; split K summed in the kernel):
+    register-A wgmmas that no instruction overwrites while they may still read them, in the loop or the peeled
+    last steps; the decode and scale multiply in registers (no shared-memory store in the loop); no local
+    memory; atomics only where the config sums its split-K partials itself, and never in the K loop."""
     r = _compile_in_subprocess(GLUON_SCRIPT, json.dumps(cfg), str(int(fp16)), str(mode), str(tail), str(bm_main))
     assert r["loop_ops"].get("LDL", 0) == 0 and r["loop_ops"].get("STL", 0) == 0, r
     if not (mode == 1 and cfg["bm"] == 256):
@@ -199,3 +205,6 @@ def test_sm90_sass_gluon(cfg, mode, tail, bm_main, fp16):
     assert r["loop_ops"].get("HMUL2", 0) > 0, r
     assert r["loop_ops"].get("STS", 0) == 0 and r["loop_ops"].get("STSM", 0) == 0, r
     assert r["hazards"] == [], r["hazards"]
+    # fixup: one counter increment and one reset per tile, outside the K loop; no atomics otherwise
+    assert r["atoms"] == (2 if cfg.get("fixup") else 0), r
+    assert r["loop_ops"].get("ATOMG", 0) == 0, r

@@ -278,7 +278,7 @@ def w4_linear(x: torch.Tensor, weight: PackedW4Weight, bias: torch.Tensor | None
         g = _gluon()
         if g is not None:
             g.launch_dense(_tma_ready(x2), weight, y, cfg, _dummy(x.device), bias=bias, act_scale=act_scale,
-                           sms=_num_sms(x.device.index))
+                           sms=_num_sms(x.device.index), counters=_counters)
             return y.reshape(*lead, n)
         cfg = _without_gluon(cfg)
     n_tiles = triton_cdiv(n, cfg.bn)

@@ -17,7 +17,8 @@ workaround in ``triton_w4._mma_tile``) retires every K step's wgmma before the n
 
 Split K (narrow N with long K has few output tiles; or, with ``GluonConfig.split_tail``, only the tiles past
 the last whole wave) writes fp32 partials that :func:`w4_splitk_reduce_kernel` adds in split order
-(deterministic).
+(deterministic), or with ``GluonConfig.fixup`` the last program of each tile to finish (the same order, no
+second launch).
 """
 
 from __future__ import annotations
@@ -160,17 +161,19 @@ def _g_store_y(out, y_ptr, bias_ptr, offs_m, offs_n, n_ok, mask, stride_ym, st_l
 # Sizes that vary from call to call are not specialized on (value 1, multiple of 16): the kernels a
 # layer warms up at start-up are then the ones every later call finds compiled.
 @gluon.jit(do_not_specialize=["M", "SPLIT_K", "M_SPLIT", "DP_TILES"])
-def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, actscale_ptr, aux_ptr, scatter_ptr,
-                    rowscale_ptr, M, N, K_pad, stride_qe, stride_qn, stride_se, stride_sn, stride_ae, stride_ym,
-                    SPLIT_K, M_SPLIT, DP_TILES,
+def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, actscale_ptr, aux_ptr,
+                    scatter_ptr, rowscale_ptr, M, N, K_pad, stride_qe, stride_qn, stride_se, stride_sn, stride_ae,
+                    stride_ym, SPLIT_K, M_SPLIT, DP_TILES,
                     MODE: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                     DT: gl.constexpr, HAS_BIAS: gl.constexpr, ACT_SCALE: gl.constexpr, IS_SPLIT: gl.constexpr,
                     HAS_SCATTER: gl.constexpr, HAS_ROWSCALE: gl.constexpr, PF: gl.constexpr,
-                    TAIL: gl.constexpr, BM_MAIN: gl.constexpr, num_warps: gl.constexpr):
+                    TAIL: gl.constexpr, BM_MAIN: gl.constexpr, FIXUP: gl.constexpr, num_warps: gl.constexpr):
     """MODE 0: dense ``x[M, K]``, one output tile per program: programs ``[0, DP_TILES)`` take tiles
     ``0 .. DP_TILES-1`` over all of K, the others the remaining tiles split ``SPLIT_K`` ways along K
     (program -> split, tile; tiles are M-fastest, so ``DP_TILES``, a multiple of the M tiles, leaves
-    whole N columns to the split part).
+    whole N columns to the split part). A split program writes its fp32 partial to ``ws``; with FIXUP the
+    last of a tile's programs to arrive (a counter per tile in ``cnt``, zero between calls) sums them in split
+    order and stores y, else :func:`w4_splitk_reduce_kernel` does.
     MODE 1: grouped, rows ``aux[e]:aux[e+1]`` of x use expert e; MODE 2: masked, x is ``[E * M, K]``
     (M = max_m) and expert e's rows are ``e*M : e*M + min(aux[e], M)``. In both, program (N tile,
     e * M_SPLIT + split) takes the expert's M tiles split, split + M_SPLIT, ...; rows past the
@@ -244,11 +247,21 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, ac
         mask = n_ok[:, None] & (offs_m < M)[None, :]
         if IS_SPLIT:
             if is_split:
-                # fp32 partial sums ws[pid_k, m, n - n0] of the split columns [n0, N);
-                # w4_splitk_reduce_kernel adds them in a fixed order
+                # fp32 partial sums ws[pid_k, m, n - n0] of the split columns [n0, N), added in split
+                # order by the tile's last program (FIXUP) or by w4_splitk_reduce_kernel
                 n0 = (DP_TILES // m_tiles) * BN
-                ws = ws_ptr + (pid_k * M + offs_m[None, :]).to(gl.int64) * (N - n0) + (offs_n - n0)[:, None]
-                gl.store(ws, gl.convert_layout(out, st_l), mask=mask)
+                ws0 = ws_ptr + offs_m[None, :].to(gl.int64) * (N - n0) + (offs_n - n0)[:, None]
+                gl.store(ws0 + (pid_k * M).to(gl.int64) * (N - n0), gl.convert_layout(out, st_l), mask=mask)
+                if FIXUP:
+                    gl.thread_barrier()      # every warp's partial is written before the release below
+                    arrived = gl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
+                    if arrived == SPLIT_K - 1:
+                        tot = gl.zeros([BN, BM], gl.float32, st_l)
+                        for si in range(0, SPLIT_K):
+                            tot += gl.load(ws0 + (si * M).to(gl.int64) * (N - n0), mask=mask, other=0.0,
+                                           cache_modifier=".cg")
+                        _g_store_y(tot, y_ptr, bias_ptr, offs_m, offs_n, n_ok, mask, stride_ym, st_l, HAS_BIAS)
+                        gl.atomic_xchg(cnt_ptr + t, 0)     # zero again for the next call
             else:
                 _g_store_y(out, y_ptr, bias_ptr, offs_m, offs_n, n_ok, mask, stride_ym, st_l, HAS_BIAS)
         else:
@@ -356,14 +369,16 @@ def dense_plan(m: int, lay, cfg, sms: int) -> tuple[int, int, int, int]:
 
 
 def launch_dense(x2: torch.Tensor, w, y: torch.Tensor, cfg, dummy: torch.Tensor, bias=None, act_scale=None,
-                 sms: int = 132) -> None:
+                 sms: int = 132, counters=None) -> None:
     """``y = x2 @ dequant(w)^T * alpha (* act_scale) (+ bias)`` with :func:`w4_wgmma_kernel`.
 
     ``x2``: ``[M, K]`` rows with a 16-byte aligned base and row stride (TMA); ``cfg``: a
     :class:`~.select.GluonConfig`. Split K (of every tile, or with ``cfg.split_tail``
     of the tiles past the last whole wave of ``sms`` tiles) writes fp32 partials to a workspace that
-    :func:`w4_splitk_reduce_kernel` sums in split order (deterministic). ``dummy``: a device tensor for
-    the pointer arguments a variant never reads."""
+    :func:`w4_splitk_reduce_kernel` sums in split order (deterministic); with ``cfg.fixup`` the last program
+    of each tile does, counting arrivals in ``counters(device, size)``: an int32 vector of at least ``size``
+    zeros that the kernel leaves zero (one per stream: calls on one stream never share a slot at once).
+    ``dummy``: a device tensor for the pointer arguments a variant never reads."""
     lay = w.layout
     m = x2.shape[0]
     bm, bn, bk = cfg.bm, cfg.bn, _bk(lay, cfg)
@@ -371,14 +386,18 @@ def launch_dense(x2: torch.Tensor, w, y: torch.Tensor, cfg, dummy: torch.Tensor,
     n0 = dp // m_tiles * bn
     d = dummy
     ws = torch.empty((sk, m, lay.n - n0), dtype=torch.float32, device=x2.device) if sk > 1 else d
+    fixup = sk > 1 and cfg.fixup
+    if fixup and counters is None:
+        raise ValueError("launch_dense: a fixup config (cfg.fixup) needs counters, got None")
+    cnt = counters(x2.device, tiles) if fixup else d
     b = bias if bias is not None else d
     fast(w4_wgmma_kernel)[(dp + (tiles - dp) * sk,)](
-        _x_desc(x2, bm, bk), w.words, w.scales, w.alpha, b, y, ws, act_scale if act_scale is not None else d, d, d, d,
-        m, lay.n, lay.k_pad, 0, w.words.stride(1), 0, w.scales.stride(1), 0, y.stride(0), sk, 1, dp,
+        _x_desc(x2, bm, bk), w.words, w.scales, w.alpha, b, y, ws, cnt, act_scale if act_scale is not None else d,
+        d, d, d, m, lay.n, lay.k_pad, 0, w.words.stride(1), 0, w.scales.stride(1), 0, y.stride(0), sk, 1, dp,
         MODE=0, BN=bn, BM=bm, BK=bk, STAGES=cfg.num_stages, DT=0 if x2.dtype == torch.bfloat16 else 1,
         HAS_BIAS=int(bias is not None), ACT_SCALE=int(act_scale is not None), IS_SPLIT=int(sk > 1),
-        HAS_SCATTER=0, HAS_ROWSCALE=0, PF=cfg.prefetch, TAIL=0, BM_MAIN=bm, num_warps=bn // 16)
-    if sk > 1:
+        HAS_SCATTER=0, HAS_ROWSCALE=0, PF=cfg.prefetch, TAIL=0, BM_MAIN=bm, FIXUP=int(fixup), num_warps=bn // 16)
+    if sk > 1 and not fixup:
         block = 1024
         fast(w4_splitk_reduce_kernel)[(-(-(lay.n - n0) // block), m)](
             ws, b, y, m, lay.n, n0, y.stride(0), sk, HAS_BIAS=int(bias is not None), BLOCK=block)
@@ -402,11 +421,11 @@ def launch_grouped(mode: int, x2: torch.Tensor, w, y2: torch.Tensor, cfg, aux: t
     for c, ms, tail in parts:
         bm, bn, bk = c.bm, c.bn, _bk(lay, c)
         fast(w4_wgmma_kernel)[(-(-lay.n // bn), num_e * ms)](
-            _x_desc(x2, bm, bk), w.words, w.scales, w.alpha, d, y2, d, act_scale if act_scale is not None else d,
+            _x_desc(x2, bm, bk), w.words, w.scales, w.alpha, d, y2, d, d, act_scale if act_scale is not None else d,
             aux, scatter if scatter is not None else d, row_scale if row_scale is not None else d,
             m, lay.n, lay.k_pad, w.words.stride(0), w.words.stride(1), w.scales.stride(0), w.scales.stride(1),
             w.alpha.stride(0), y2.stride(0), 1, ms, 0,
             MODE=mode, BN=bn, BM=bm, BK=bk, STAGES=c.num_stages, DT=0 if x2.dtype == torch.bfloat16 else 1,
             HAS_BIAS=0, ACT_SCALE=2 if act_scale is not None else 0, IS_SPLIT=0,
             HAS_SCATTER=int(scatter is not None), HAS_ROWSCALE=int(row_scale is not None), PF=c.prefetch,
-            TAIL=tail, BM_MAIN=cfg.bm, num_warps=bn // 16)
+            TAIL=tail, BM_MAIN=cfg.bm, FIXUP=0, num_warps=bn // 16)

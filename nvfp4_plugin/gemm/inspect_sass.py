@@ -78,14 +78,14 @@ def compile_gluon(cfg: GluonConfig, *, fp16: bool = False, split: bool = False, 
     desc = gluon_w4._x_desc(torch.empty(m, k, dtype=torch.float16 if fp16 else torch.bfloat16), cfg.bm, cfg.bk)
     act = "*fp16" if fp16 else "*bf16"
     sig = {"x_desc": mangle_type(desc), "q_ptr": "*i32", "s_ptr": "*i16", "alpha_ptr": "*fp32", "bias_ptr": act,
-           "y_ptr": act, "ws_ptr": "*fp32", "actscale_ptr": "*fp32", "aux_ptr": "*i32", "scatter_ptr": "*i32",
-           "rowscale_ptr": "*fp32", "M": "i32", "N": "i32", "K_pad": "i32", "stride_qe": "i32", "stride_qn": "i32",
-           "stride_se": "i32", "stride_sn": "i32", "stride_ae": "i32", "stride_ym": "i32", "SPLIT_K": "i32",
-           "M_SPLIT": "i32", "DP_TILES": "i32"}
+           "y_ptr": act, "ws_ptr": "*fp32", "cnt_ptr": "*i32", "actscale_ptr": "*fp32", "aux_ptr": "*i32",
+           "scatter_ptr": "*i32", "rowscale_ptr": "*fp32", "M": "i32", "N": "i32", "K_pad": "i32",
+           "stride_qe": "i32", "stride_qn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_ae": "i32",
+           "stride_ym": "i32", "SPLIT_K": "i32", "M_SPLIT": "i32", "DP_TILES": "i32"}
     const = dict(MODE=mode, BN=cfg.bn, BM=cfg.bm, BK=cfg.bk, STAGES=cfg.num_stages, DT=int(fp16), HAS_BIAS=0,
                  ACT_SCALE=0, IS_SPLIT=int(split and mode == 0), HAS_SCATTER=int(mode == 1),
                  HAS_ROWSCALE=int(mode == 1), PF=cfg.prefetch, TAIL=tail, BM_MAIN=bm_main or cfg.bm,
-                 num_warps=cfg.num_warps)
+                 FIXUP=int(split and mode == 0 and cfg.fixup), num_warps=cfg.num_warps)
     for key in const:
         sig[key] = "constexpr"
     fn = gluon_w4.w4_wgmma_kernel

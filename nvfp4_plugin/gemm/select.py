@@ -71,6 +71,7 @@ class W4Config:
     prefetch: ClassVar[int] = 2         # GluonConfig field
     tail_bm: ClassVar[int] = 0          # GluonConfig field
     split_tail: ClassVar[bool] = False  # GluonConfig field
+    fixup: ClassVar[bool] = False       # GluonConfig field
 
     def __post_init__(self):
         if type(self) is W4Config:
@@ -185,13 +186,16 @@ class GluonConfig(W4Config):
     (dense, grouped without a gather index, masked; compiled GPUs only, otherwise the Triton kernel runs
     instead). ``prefetch``: K steps ahead the weight words and scales are loaded into registers (2 or 4);
     ``split_tail``: dense with split_k > 1 only, compute the whole waves of tiles (one per SM) over all of K
-    and split only the tiles left over; ``tail_bm``: grouped only (0: off), each expert's last at most bm/2
-    rows go to a second launch with tiles of tail_bm rows (a tile computes all its rows, the expert's or not:
-    a short last tile of bm rows costs a full one)."""
+    and split only the tiles left over; ``fixup``: dense with split_k > 1 only, the last program of each split
+    tile to finish sums the partials (in split order, as the reduce kernel does) instead of a reduce launch;
+    ``tail_bm``: grouped only (0: off), each expert's last at most bm/2 rows go to a second launch with tiles
+    of tail_bm rows (a tile computes all its rows, the expert's or not: a short last tile of bm rows costs a
+    full one)."""
 
     prefetch: int = 2
     split_tail: bool = False
     tail_bm: int = 0
+    fixup: bool = False
 
     FAMILY: ClassVar[str] = "gluon"
     LABEL: ClassVar[str] = "gluon wgmma"
@@ -214,6 +218,9 @@ class GluonConfig(W4Config):
                              f"tail_bm={self.tail_bm} with bm={self.bm}")
         if self.split_tail and self.split_k < 2:
             raise ValueError(f"GluonConfig.split_tail: splits the last wave's tiles along K, needs split_k >= 2, "
+                             f"got split_k={self.split_k}")
+        if self.fixup and self.split_k < 2:
+            raise ValueError(f"GluonConfig.fixup: sums split-K partials in the kernel, needs split_k >= 2, "
                              f"got split_k={self.split_k}")
 
 
