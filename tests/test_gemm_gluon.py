@@ -4,6 +4,8 @@ and the Triton kernel standing in for it where there is no compiled GPU path (th
 Shared cases: tests/gemm_cases.py.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -78,8 +80,6 @@ def test_gpu_gluon_fixup_equals_reduce_launch(cfg, dtype):
     """``fixup``: the tile's last program to arrive adds the partials in split order, so the output equals the
     reduce launch's bit for bit (bias, w4a4, odd sizes, more than one wave); the counters are zero again after
     every call and after graph replays, so the next call (another shape, the same stream) starts clean."""
-    import dataclasses
-
     from nvfp4_plugin.gemm import api
 
     fx = dataclasses.replace(cfg, fixup=True)
@@ -285,3 +285,74 @@ def test_gluon_config_validation_and_selection():
         xg = act((9, 96), torch.bfloat16, seed=4)
         yg = w4_grouped(xg, prepack(we, torch.bfloat16), offsets, config=GLUON_CFGS[0])
         assert ulp_error(yg, grouped_ref(xg, we, offsets), torch.bfloat16, "gluon_fallback") <= 2
+
+
+def test_gluon_launchers_bind_every_argument(monkeypatch):
+    """``launch_dense`` / ``launch_grouped`` pass the kernel its arguments by position: each tensor must
+    reach the parameter of its name (a slip when the signature grows binds, say, the activation scale as the
+    split-K counters). Checked on the CPU by recording the launches instead of running them."""
+    from nvfp4_plugin.gemm import gluon_w4
+
+    calls = []
+
+    class Record:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                bound = dict(zip(self.fn.arg_names, args), **kwargs)
+                assert set(self.fn.arg_names) <= set(bound), sorted(set(self.fn.arg_names) - set(bound))
+                calls.append((self.fn, grid, bound))
+            return launch
+
+    monkeypatch.setattr(gluon_w4, "fast", Record)
+    cpu = torch.device("cpu")
+    d = torch.zeros(16, dtype=torch.int32)
+    m, n, k = 32, 256, 4096
+    p = prepack(make_weight((), n, k, seed=1, device=cpu), torch.bfloat16)
+    x = act((m, k), torch.bfloat16, seed=2, device=cpu)
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    bias, scale, cnt = torch.ones(n, dtype=torch.bfloat16), torch.ones(1), torch.zeros(64, dtype=torch.int32)
+    sizes = []
+
+    def counters(device, size):
+        sizes.append(size)
+        return cnt
+
+    split = gsel.gluon_config(64, 32, 64, split_k=4, prefetch=4)
+    for fixup in (True, False):
+        calls.clear()
+        cfg = dataclasses.replace(split, fixup=fixup)
+        gluon_w4.launch_dense(x, p, y, cfg, d, bias=bias, act_scale=scale, sms=132, counters=counters)
+        kern, grid, b = calls[0]
+        assert kern is gluon_w4.w4_wgmma_kernel and grid == (4 * 4,)      # 4 N tiles x 4 splits, one M tile
+        assert b["bias_ptr"] is bias and b["y_ptr"] is y and b["actscale_ptr"] is scale
+        assert b["ws_ptr"].dtype == torch.float32 and b["ws_ptr"].shape == (4, m, n)
+        assert (b["cnt_ptr"] is cnt) == fixup and (b["cnt_ptr"] is d) != fixup
+        assert all(b[name] is d for name in ("aux_ptr", "scatter_ptr", "rowscale_ptr"))
+        assert (b["M"], b["N"], b["K_pad"], b["SPLIT_K"], b["DP_TILES"]) == (m, n, k, 4, 0)
+        assert (b["MODE"], b["IS_SPLIT"], b["FIXUP"], b["HAS_BIAS"], b["ACT_SCALE"]) == (0, 1, int(fixup), 1, 1)
+        # the reduce launch only without the fixup, over the same workspace
+        assert len(calls) == 1 + (not fixup)
+        if not fixup:
+            kr, _, br = calls[1]
+            assert kr is gluon_w4.w4_splitk_reduce_kernel and br["ws_ptr"] is b["ws_ptr"] and br["y_ptr"] is y
+            assert br["bias_ptr"] is bias and (br["M"], br["N"], br["N0"], br["SPLIT_K"]) == (m, n, 0, 4)
+    assert sizes == [4]                                          # a counter per tile (4 N tiles), fixup only
+    # grouped: expert offsets, scatter, row scale and activation scales reach their parameters
+    num_e = 3
+    pe = prepack(make_weight((num_e,), n, k, seed=3, device=cpu), torch.bfloat16)
+    offsets = torch.tensor([0, 10, 10, m], dtype=torch.int32)
+    scatter, rowscale, scales = torch.arange(m, dtype=torch.int32), torch.ones(m), torch.ones(num_e)
+    calls.clear()
+    gluon_w4.launch_grouped(1, x, pe, y, GLUON_CFGS[0], offsets, d, m=m, m_split=1, scatter=scatter,
+                            row_scale=rowscale, act_scale=scales)
+    (kern, grid, b), = calls
+    assert kern is gluon_w4.w4_wgmma_kernel and grid == (n // 64, num_e)
+    assert b["aux_ptr"] is offsets and b["scatter_ptr"] is scatter and b["rowscale_ptr"] is rowscale
+    assert b["actscale_ptr"] is scales and b["y_ptr"] is y
+    assert all(b[name] is d for name in ("bias_ptr", "ws_ptr", "cnt_ptr"))
+    flags = ("MODE", "IS_SPLIT", "FIXUP", "HAS_SCATTER", "HAS_ROWSCALE", "ACT_SCALE")
+    assert tuple(b[f] for f in flags) == (1, 0, 0, 1, 1, 2)
+    assert b["stride_qe"] == pe.words.stride(0) and b["stride_ae"] == pe.alpha.stride(0)
