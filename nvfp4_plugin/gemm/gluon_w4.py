@@ -37,6 +37,9 @@ from ..triton.fast_launch import fast
 from . import triton_w4 as tk
 from .triton_w4 import _PTX2_BF16, _PTX2_FP16
 
+#: the CTA-wide barrier: ``thread_barrier`` in Triton 3.6, ``barrier`` in 3.8 (the B200 image's Triton)
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
 
 @gluon.jit
 def _g_weight_tile(q, sp, BN: gl.constexpr, BK: gl.constexpr, DT: gl.constexpr):
@@ -76,7 +79,7 @@ def _g_step(kk, it0, num_k, acc, q, sp, q_tile, s_tile, x_desc, x_smem, bars, of
     acc = warpgroup_mma(a, x_smem.index(st).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(1, deps=(acc, ))
     if num_warps > 4:
-        gl.thread_barrier()      # the other warpgroup's wgmma of step kk-1 is done too
+        _cta_barrier()      # the other warpgroup's wgmma of step kk-1 is done too
     nl = kk + STAGES - 1
     ls = (it0 + nl) % STAGES
     ok = nl < num_k
@@ -253,7 +256,7 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, cn
                 ws0 = ws_ptr + offs_m[None, :].to(gl.int64) * (N - n0) + (offs_n - n0)[:, None]
                 gl.store(ws0 + (pid_k * M).to(gl.int64) * (N - n0), gl.convert_layout(out, st_l), mask=mask)
                 if FIXUP:
-                    gl.thread_barrier()      # every warp's partial is written before the release below
+                    _cta_barrier()      # every warp's partial is written before the release below
                     arrived = gl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
                     if arrived == SPLIT_K - 1:
                         tot = gl.zeros([BN, BM], gl.float32, st_l)
