@@ -96,17 +96,22 @@ def _mma_v2_env(cfg: W4Config):
 
 
 _COUNTERS: dict = {}
+#: buffers a larger one replaced: CUDA graphs captured before the growth still hold their addresses
+_RETIRED_COUNTERS: list = []
 
 
 def _counters(device: torch.device, size: int) -> torch.Tensor:
     """Split-K semaphores (int32, zero between calls: the last program of a tile resets its slot).
 
     One buffer per (device, stream): kernels on one stream run in order, so calls never share a
-    slot concurrently; a buffer first needed during CUDA-graph capture lives in the graph's pool."""
+    slot concurrently; a buffer first needed during CUDA-graph capture lives in the graph's pool. A
+    buffer outgrown by a larger call is kept alive, not freed: graphs captured with it replay into it."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device.type, device.index, stream)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < size:
+        if buf is not None:
+            _RETIRED_COUNTERS.append(buf)
         buf = torch.zeros(max(size, 8192), dtype=torch.int32, device=device)
         _COUNTERS[key] = buf
     return buf

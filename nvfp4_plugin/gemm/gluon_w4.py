@@ -17,7 +17,7 @@ workaround in ``triton_w4._mma_tile``) retires every K step's wgmma before the n
 
 Split K (narrow N with long K has few output tiles; or, with ``GluonConfig.split_tail``, only the tiles past
 the last whole wave) writes fp32 partials that :func:`w4_splitk_reduce_kernel` adds in split order
-(deterministic), or with ``GluonConfig.fixup`` the last program of each tile to finish (the same order, no
+(deterministic), or with ``GluonConfig.fixup`` the last program of each tile to arrive (the same order, no
 second launch).
 """
 

@@ -187,7 +187,7 @@ class GluonConfig(W4Config):
     instead). ``prefetch``: K steps ahead the weight words and scales are loaded into registers (2 or 4);
     ``split_tail``: dense with split_k > 1 only, compute the whole waves of tiles (one per SM) over all of K
     and split only the tiles left over; ``fixup``: dense with split_k > 1 only, the last program of each split
-    tile to finish sums the partials (in split order, as the reduce kernel does) instead of a reduce launch;
+    tile to arrive sums the partials (in split order, as the reduce kernel does) instead of a reduce launch;
     ``tail_bm``: grouped only (0: off), each expert's last at most bm/2 rows go to a second launch with tiles
     of tail_bm rows (a tile computes all its rows, the expert's or not: a short last tile of bm rows costs a
     full one)."""
