@@ -349,12 +349,12 @@ def test_gluon_launchers_bind_every_argument(monkeypatch):
             assert kr is gluon_w4.w4_splitk_reduce_kernel and br["ws_ptr"] is b["ws_ptr"] and br["y_ptr"] is y
             assert br["bias_ptr"] is bias and (br["M"], br["N"], br["N0"], br["SPLIT_K"]) == (m, n, 0, 4)
     assert sizes == [4]                                          # a counter per tile (4 N tiles), fixup only
-    # split_tail: 3 tiles (one per "SM") over all of K, the fourth split 4 ways (its counter slot is its tile's)
+    # split_tail: 3 tiles (one per "SM") over all of K, the fourth split 4 ways: counters for that tile alone
     calls.clear()
     tail = dataclasses.replace(split, fixup=True, split_tail=True)
     gluon_w4.launch_dense(x, p, y, tail, d, sms=3, counters=counters)
     (kern, grid, b), = calls
-    assert grid == (3 + 4,) and b["DP_TILES"] == 3 and b["ws_ptr"].shape == (4, m, n - 3 * 64) and sizes[-1] == 4
+    assert grid == (3 + 4,) and b["DP_TILES"] == 3 and b["ws_ptr"].shape == (4, m, n - 3 * 64) and sizes[-1] == 1
     # grouped: expert offsets, scatter, row scale and activation scales reach their parameters
     num_e = 3
     pe = prepack(make_weight((num_e,), n, k, seed=3, device=cpu), torch.bfloat16)

@@ -175,8 +175,8 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, cn
     ``0 .. DP_TILES-1`` over all of K, the others the remaining tiles split ``SPLIT_K`` ways along K
     (program -> split, tile; tiles are M-fastest, so ``DP_TILES``, a multiple of the M tiles, leaves
     whole N columns to the split part). A split program writes its fp32 partial to ``ws``; with FIXUP the
-    last of a tile's programs to arrive (a counter per tile in ``cnt``, zero between calls) sums them in split
-    order and stores y, else :func:`w4_splitk_reduce_kernel` does.
+    last of a tile's programs to arrive (a counter per split tile in ``cnt``, zero between calls) sums them in
+    split order and stores y, else :func:`w4_splitk_reduce_kernel` does.
     MODE 1: grouped, rows ``aux[e]:aux[e+1]`` of x use expert e; MODE 2: masked, x is ``[E * M, K]``
     (M = max_m) and expert e's rows are ``e*M : e*M + min(aux[e], M)``. In both, program (N tile,
     e * M_SPLIT + split) takes the expert's M tiles split, split + M_SPLIT, ...; rows past the
@@ -257,14 +257,16 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, cn
                 gl.store(ws0 + (pid_k * M).to(gl.int64) * (N - n0), gl.convert_layout(out, st_l), mask=mask)
                 if FIXUP:
                     _cta_barrier()      # every warp's partial is written before the release below
-                    arrived = gl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
+                    # one counter per split tile: slots [0, tiles - DP_TILES)
+                    arrived = gl.atomic_add(cnt_ptr + (t - DP_TILES), 1, sem="acq_rel", scope="gpu")
                     if arrived == SPLIT_K - 1:
                         tot = gl.zeros([BN, BM], gl.float32, st_l)
                         for si in range(0, SPLIT_K):
                             tot += gl.load(ws0 + (si * M).to(gl.int64) * (N - n0), mask=mask, other=0.0,
                                            cache_modifier=".cg")
                         _g_store_y(tot, y_ptr, bias_ptr, offs_m, offs_n, n_ok, mask, stride_ym, st_l, HAS_BIAS)
-                        gl.atomic_xchg(cnt_ptr + t, 0)     # zero again for the next call
+                        # zero again for the next call (the kernel's end orders it before that call)
+                        gl.atomic_xchg(cnt_ptr + (t - DP_TILES), 0, sem="relaxed", scope="gpu")
             else:
                 _g_store_y(out, y_ptr, bias_ptr, offs_m, offs_n, n_ok, mask, stride_ym, st_l, HAS_BIAS)
         else:
@@ -379,7 +381,7 @@ def launch_dense(x2: torch.Tensor, w, y: torch.Tensor, cfg, dummy: torch.Tensor,
     :class:`~.select.GluonConfig`. Split K (of every tile, or with ``cfg.split_tail``
     of the tiles past the last whole wave of ``sms`` tiles) writes fp32 partials to a workspace that
     :func:`w4_splitk_reduce_kernel` sums in split order (deterministic); with ``cfg.fixup`` the last program
-    of each tile does, counting arrivals in ``counters(device, size)``: an int32 vector of at least ``size``
+    of each split tile does, counting arrivals in ``counters(device, size)``: an int32 vector of at least ``size``
     zeros that the kernel leaves zero (one per stream: calls on one stream never share a slot at once).
     ``dummy``: a device tensor for the pointer arguments a variant never reads."""
     lay = w.layout
@@ -392,7 +394,7 @@ def launch_dense(x2: torch.Tensor, w, y: torch.Tensor, cfg, dummy: torch.Tensor,
     fixup = sk > 1 and cfg.fixup
     if fixup and counters is None:
         raise ValueError("launch_dense: a fixup config (cfg.fixup) needs counters, got None")
-    cnt = counters(x2.device, tiles) if fixup else d
+    cnt = counters(x2.device, tiles - dp) if fixup else d
     b = bias if bias is not None else d
     fast(w4_wgmma_kernel)[(dp + (tiles - dp) * sk,)](
         _x_desc(x2, bm, bk), w.words, w.scales, w.alpha, b, y, ws, cnt, act_scale if act_scale is not None else d,
