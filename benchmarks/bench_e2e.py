@@ -260,15 +260,18 @@ KERNEL_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", 
 
 
 def kernel_table(trace_path: str, steps: int, top: int = 15) -> dict:
-    """Kernels (and copies) of a torch-profiler chrome trace: total µs per step, share, calls per step;
-    plus the host side: CUDA-graph and eager kernel launches per step, and how busy the GPU was between
-    the first and the last kernel (below 1.0 the step waits on the host)."""
+    """Kernels (and copies) of a torch-profiler chrome trace: total µs per step, share, calls per step, and
+    all of them per step (a full-graph decode step runs its graph's nodes: the graph's size); plus the host
+    side: CUDA-graph and eager kernel launches per step, the host µs spent in the graph launches per step (a
+    launch's host cost grows with the graph and stalls when the launch queue is full), and how busy the GPU
+    was between the first and the last kernel (below 1.0 the step waits on the host)."""
     opener = gzip.open if trace_path.endswith(".gz") else open
     with opener(trace_path, "rt") as f:
         events = json.load(f)
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
     by_name: dict[str, list[float]] = {}
     graphs = eager = 0
+    graph_us = 0.0
     first, last = None, None
     gpu, host = [], []
     for e in events:
@@ -284,6 +287,7 @@ def kernel_table(trace_path: str, steps: int, top: int = 15) -> dict:
         elif e.get("cat") in ("cuda_runtime", "cuda_driver"):
             graphs += e.get("name") in GRAPH_LAUNCHES
             eager += e.get("name") in KERNEL_LAUNCHES
+            graph_us += float(e.get("dur", 0.0)) if e.get("name") in GRAPH_LAUNCHES else 0.0
             host.append(e)
         elif e.get("cat") in ("cpu_op", "user_annotation"):
             host.append(e)
@@ -292,6 +296,8 @@ def kernel_table(trace_path: str, steps: int, top: int = 15) -> dict:
     span = (last - first) if first is not None else 0.0
     return {"steps": steps, "gpu_us_per_step": total / steps,
             "graph_launches_per_step": graphs / steps, "kernel_launches_per_step": eager / steps,
+            "kernels_per_step": sum(len(v) for v in by_name.values()) / steps,
+            "graph_launch_us_per_step": round(graph_us / steps, 1),
             "gpu_busy": round(total / span, 3) if span else None,
             "idle_gaps": idle_gaps(gpu, host),
             "kernels": [{"name": k[:120], "us_per_step": t / steps, "share": t / total if total else 0.0,
@@ -515,6 +521,17 @@ def _sglang_profiles(engine, a, timed, result: dict) -> None:
         result["profile"]["prefill"]["tokens_per_step"] = chunk
 
 
+def host_cpus(cpu) -> dict:
+    """CPUs busy on average over a :class:`~benchmarks.common.TreeCpuMeter` block: the engine's process tree,
+    the whole machine (its difference: other work on this machine) and stolen by the hypervisor (where the
+    machine is virtual): a host-bound decode step that slows in one run and not the next shows its cause."""
+    w = cpu.wall_s or float("nan")
+    out = {"tree": round(sum(cpu.cpu_s.values()) / w, 2)}
+    if getattr(cpu, "machine_busy_s", None) is not None:
+        out.update(machine=round(cpu.machine_busy_s / w, 2), steal=round(cpu.steal_s / w, 3))
+    return out
+
+
 def run_sweep(result: dict, timed, a) -> None:
     """Decode at each batch size (warm-up run, then the measured run) and prefill, into ``result``."""
     result["decode"] = {}
@@ -535,7 +552,9 @@ def run_sweep(result: dict, timed, a) -> None:
                                     "ms_per_step": round(1e3 * b / med, 3),
                                     # host CPU time per engine step of the busiest processes of the engine's tree
                                     "host_cpu_ms_per_step": {k: round(1e3 * v / steps, 3) for k, v in cpu.busiest()},
-                                    "wall_ms_per_step": round(1e3 * cpu.wall_s / steps, 3)}
+                                    "wall_ms_per_step": round(1e3 * cpu.wall_s / steps, 3),
+                                    # CPUs busy on average: the engine's tree, the whole machine, stolen
+                                    "host_cpus": host_cpus(cpu)}
         print(f"[{a.engine} {a.model} {a.config}] batch {b}: {result['decode'][str(b)]}", flush=True)
     n, length = a.prefill
     # prefill is power-bound: the clock it ran at is part of the result (sampled over the prefill runs and the
@@ -804,7 +823,9 @@ def merge_rounds(first: dict, later: list[dict]) -> dict:
         out["decode"][b] = dict(d, tok_s=round(med, 1), rounds_tok_s=vals, round0_tok_s=d["tok_s"],
                                 ms_per_step=round(1e3 * int(b) / med, 3) if med else d.get("ms_per_step"),
                                 rounds_host_cpu=[host_cpu_summary(x) for x in
-                                                 [d] + [r["decode"].get(b) or {} for r in later]])
+                                                 [d] + [r["decode"].get(b) or {} for r in later]],
+                                rounds_host_cpus=[x.get("host_cpus") for x in
+                                                  [d] + [r["decode"].get(b) or {} for r in later]])
     if first.get("prefill"):
         vals = [first["prefill"]["tok_s"]] + [r["prefill"]["tok_s"] for r in later if r.get("prefill")]
         out["prefill"] = dict(first["prefill"], tok_s=round(statistics.median(vals), 1), rounds_tok_s=vals)
@@ -889,6 +910,16 @@ def checks(results: list[dict], engine: str, model: str) -> list[str]:
         if cells:
             lines.append(f"host CPU per decode step at batch {b} (busiest process of the engine, CPU / wall): "
                          + ", ".join(cells))
+    # other work on the machine and the hypervisor's steal during the decode runs: the most of any batch
+    cells = []
+    for c, r in sorted(by.items()):
+        hc = [h for d in (r.get("decode") or {}).values()
+              for h in d.get("rounds_host_cpus") or [d.get("host_cpus")] if h and "machine" in h]
+        if hc:
+            cells.append(f"{c} {max(h['machine'] - h['tree'] for h in hc):.2f} / {max(h['steal'] for h in hc):.2f}")
+    if cells:
+        lines.append("CPUs busy outside the engine's processes / stolen by the hypervisor during the decode runs "
+                     "(the most of any batch): " + ", ".join(cells))
     for c, r in sorted(by.items()):
         if r.get("rounds", 1) > 1:
             lines.append(f"{c}: the median of {r['rounds']} rounds (fresh engine processes); tokens/s per round: "
@@ -921,8 +952,9 @@ def idle_gap_line(gaps: dict | None, steps: int) -> list[str]:
 
 def profile_summary(rows: list[dict]) -> list[str]:
     """One line per profiled (config, batch): GPU work and wall time per decode step, how busy the GPU
-    was, and the launches per step (a decode step inside the engine's full CUDA graph is one graph
-    launch plus the sampler's few eager kernels)."""
+    was, the launches per step (a decode step inside the engine's full CUDA graph is one graph
+    launch plus the sampler's few eager kernels), the kernels a step ran and the host time of its graph
+    launches."""
     lines = []
     for r in rows:
         for b, prof in (r.get("profile") or {}).items():
@@ -931,11 +963,19 @@ def profile_summary(rows: list[dict]) -> list[str]:
                          f"{(r.get('decode', {}).get(b) or {}).get('ms_per_step', '-')} | "
                          f"{'-' if busy is None else f'{100 * busy:.0f}%'} | "
                          f"{prof.get('graph_launches_per_step', float('nan')):.1f} | "
-                         f"{prof.get('kernel_launches_per_step', float('nan')):.1f} |")
+                         f"{prof.get('kernel_launches_per_step', float('nan')):.1f} | "
+                         f"{_num(prof.get('kernels_per_step'), '.0f')} | "
+                         f"{_num(prof.get('graph_launch_us_per_step'), '.0f')} |")
     if not lines:
         return []
     return (["| config | batch | GPU µs / step | wall ms / step | GPU busy | graph launches / step | "
-             "kernel launches / step |", "|---|---:|---:|---:|---:|---:|---:|"] + lines + [""])
+             "kernel launches / step | kernels / step | graph launch host µs / step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"] + lines + [""])
+
+
+def _num(v, fmt: str) -> str:
+    """``v`` formatted, or "-" where an older result lacks the field."""
+    return "-" if v is None else format(v, fmt)
 
 
 def prefill_shape_summary(rows: list[dict]) -> list[str]:

@@ -325,20 +325,44 @@ def process_tree(root: int | None = None) -> dict[int, tuple[str, float, int]]:
     return tree
 
 
+def machine_cpu_s() -> tuple[float, float] | None:
+    """``(busy, stolen)`` CPU seconds of the whole machine since boot, from ``/proc/stat``: busy is user, nice,
+    system, irq and softirq time of every CPU; stolen is the time the hypervisor ran something else while a
+    CPU of this (virtual) machine wanted to run. None where there is no ``/proc/stat``."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    v = [int(x) for x in fields[1:]] + [0] * 8
+    tick = os.sysconf("SC_CLK_TCK")
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / tick, v[7] / tick
+
+
 class TreeCpuMeter:
     """``with TreeCpuMeter() as m: ...``: CPU seconds each process of this process's tree spent in the block
     (``m.cpu_s``: ``"name[pid]" -> seconds``, processes alive at both ends) and the CPUs they last ran on
     (``m.cpus``). An engine whose steps wait on its host loop shows that loop's process near one CPU second
     per second of the block: whether a slow engine process does more host work per step or gets less of a
-    CPU is then in the numbers."""
+    CPU is then in the numbers. The whole machine's busy and stolen CPU seconds in the block
+    (``m.machine_busy_s``, ``m.steal_s``; None without ``/proc/stat``) tell whether something outside the
+    tree, or the hypervisor, took CPU time from it."""
 
     def __enter__(self):
         self._t0 = time.perf_counter()
         self._start = process_tree()
+        self._m0 = machine_cpu_s()
         return self
 
     def __exit__(self, *exc):
         self.wall_s = time.perf_counter() - self._t0
+        m1 = machine_cpu_s()
+        self.machine_busy_s = self.steal_s = None
+        if self._m0 is not None and m1 is not None:
+            self.machine_busy_s = round(m1[0] - self._m0[0], 3)
+            self.steal_s = round(m1[1] - self._m0[1], 3)
         end = process_tree()
         self.cpu_s = {f"{name}[{pid}]": round(cpu - self._start[pid][1], 4)
                       for pid, (name, cpu, _) in end.items() if pid in self._start}

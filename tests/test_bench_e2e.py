@@ -3,7 +3,9 @@ themselves need the GPU machine)."""
 
 import gzip
 import json
+import os
 import time
+import types
 
 import pytest
 
@@ -64,7 +66,7 @@ def test_best_builtin_and_report(tmp_path):
     assert "| ours |  | 80.0 | 700 | 2000 | 39000 |" in text
     assert "| ours |  | - | error: timed out after 1200 s |" in text
     assert "| `w4_gemm_kernel` | 3000.0 | 75.0% | 128.0 |" in text
-    assert "| ours | 8 | 4000 | 1.0 | 90% | 1.0 | 3.0 |" in text
+    assert "| ours | 8 | 4000 | 1.0 | 90% | 1.0 | 3.0 | - | - |" in text           # fields older results lack
     assert (tmp_path / "e2e.md").read_text() == text
 
 
@@ -85,6 +87,7 @@ def test_kernel_table_from_a_trace(tmp_path):
     assert t["kernels"][0] == {"name": "a", "us_per_step": 20.0, "share": pytest.approx(40 / 60), "calls_per_step": 1.0}
     assert [k["name"] for k in t["kernels"]] == ["a", "Memcpy HtoD"]
     assert t["graph_launches_per_step"] == 1.0 and t["kernel_launches_per_step"] == 0.5
+    assert t["kernels_per_step"] == 1.5 and t["graph_launch_us_per_step"] == 5.0   # 3 on the GPU, 10 µs launching
     assert t["gpu_busy"] == pytest.approx(60 / 80)          # 60 µs of work between 100 and 180 µs
 
 
@@ -454,6 +457,8 @@ def test_tree_cpu_meter_counts_a_busy_child_and_names_it():
         assert busy and busy[0][1] > 0.3, m.cpu_s          # ~0.8 s of CPU in 0.8 s of wall
         assert m.busiest(1)[0][0].endswith(f"[{child.pid}]") and m.wall_s >= 0.8
         assert f"[{child.pid}]" in "".join(m.cpus)
+        # the whole machine was at least as busy as the child, and stole at most the block's CPU time
+        assert m.machine_busy_s >= 0.3 and 0 <= m.steal_s <= m.wall_s * os.cpu_count()
     finally:
         child.kill()
         child.wait()
@@ -472,6 +477,30 @@ def test_report_names_the_host_loop_per_round():
     lines = E.checks([merged, bf16], "vllm", "moe")
     assert ("host CPU per decode step at batch 1 (busiest process of the engine, CPU / wall): bf16 EngineCore "
             "1.90 / 2.00 ms, ours EngineCore 1.90 / 2.00 ms; EngineCore 1.30 / 1.40 ms") in lines
+    assert not any(x.startswith("CPUs busy outside") for x in lines)     # results from before the field
+
+
+def test_report_names_other_work_and_steal_of_every_round():
+    """The most CPUs busy outside the engine's tree and stolen by the hypervisor over a config's decode runs,
+    its later rounds included: a host-bound run that slowed shows whether the machine was shared."""
+    d0 = {"tok_s": 500.0, "first_tok_s": 500.0, "ms_per_step": 2.0,
+          "host_cpus": {"tree": 1.2, "machine": 1.5, "steal": 0.01}}
+    d1 = dict(d0, tok_s=300.0, host_cpus={"tree": 1.1, "machine": 3.6, "steal": 0.4})
+    first = {"config": "ours", "engine": "vllm", "model": "moe", "decode": {"1": d0, "2": dict(d0, tok_s=900.0)}}
+    merged = E.merge_rounds(first, [{"decode": {"1": d1, "2": dict(d0, tok_s=900.0)}}])
+    assert merged["decode"]["1"]["rounds_host_cpus"] == [d0["host_cpus"], d1["host_cpus"]]
+    bf16 = {"config": "bf16", "engine": "vllm", "model": "moe",
+            "decode": {"1": dict(d0, tok_s=400.0), "2": dict(d0, tok_s=800.0, host_cpus={"tree": 1.0})}}
+    lines = E.checks([merged, bf16], "vllm", "moe")
+    assert ("CPUs busy outside the engine's processes / stolen by the hypervisor during the decode runs (the most "
+            "of any batch): bf16 0.30 / 0.01, ours 2.50 / 0.40") in lines
+
+
+def test_host_cpus_of_a_meter():
+    m = types.SimpleNamespace(wall_s=2.0, cpu_s={"a[1]": 1.0, "b[2]": 0.5}, machine_busy_s=4.0, steal_s=0.1)
+    assert E.host_cpus(m) == {"tree": 0.75, "machine": 2.0, "steal": 0.05}
+    m.machine_busy_s = None                                          # no /proc/stat
+    assert E.host_cpus(m) == {"tree": 0.75}
 
 
 class _FakeSglangEngine:
