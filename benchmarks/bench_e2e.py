@@ -293,11 +293,17 @@ def kernel_table(trace_path: str, steps: int, top: int = 15) -> dict:
             host.append(e)
     total = sum(sum(v) for v in by_name.values())
     rows = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)
+    host_by: dict[str, float] = {}
+    for e in host:
+        host_by[e["name"][:80]] = host_by.get(e["name"][:80], 0.0) + float(e.get("dur", 0.0))
     span = (last - first) if first is not None else 0.0
     return {"steps": steps, "gpu_us_per_step": total / steps,
             "graph_launches_per_step": graphs / steps, "kernel_launches_per_step": eager / steps,
             "kernels_per_step": sum(len(v) for v in by_name.values()) / steps,
             "graph_launch_us_per_step": round(graph_us / steps, 1),
+            # the host's busiest ops and runtime calls, µs per step (nested ones counted in each: a step's
+            # annotation holds its ops): where a step that waits on the host spends it
+            "host_top": [[k, round(v / steps, 1)] for k, v in sorted(host_by.items(), key=lambda kv: -kv[1])[:8]],
             "gpu_busy": round(total / span, 3) if span else None,
             "idle_gaps": idle_gaps(gpu, host),
             "kernels": [{"name": k[:120], "us_per_step": t / steps, "share": t / total if total else 0.0,
@@ -1076,6 +1082,9 @@ def report(out: Path) -> str:
                        "| kernel | µs / step | share | calls / step |", "|---|---:|---:|---:|"]
                 md += [f"| `{k['name']}` | {k['us_per_step']:.1f} | {100 * k['share']:.1f}% | "
                        f"{k['calls_per_step']:.1f} |" for k in prof["kernels"]]
+                if prof.get("host_top"):
+                    md += ["", "Host, µs per step (nested ops counted in each): "
+                           + "; ".join(f"`{n}` {us:.0f}" for n, us in prof["host_top"])]
                 md += ["", *idle_gap_line(prof.get("idle_gaps"), prof.get("steps", 1))]
     serves = [r for r in results if "concurrency" in r]
     if serves:

@@ -68,6 +68,11 @@ def test_best_builtin_and_report(tmp_path):
     assert "| `w4_gemm_kernel` | 3000.0 | 75.0% | 128.0 |" in text
     assert "| ours | 8 | 4000 | 1.0 | 90% | 1.0 | 3.0 | - | - |" in text           # fields older results lack
     assert (tmp_path / "e2e.md").read_text() == text
+    assert "Host, µs per step" not in text
+    rs[3]["profile"]["8"]["host_top"] = [["cudaGraphLaunch", 812.5], ["aten::copy_", 40.0]]
+    (tmp_path / "vllm-moe-ours.json").write_text(json.dumps(rs[3]))
+    want = "Host, µs per step (nested ops counted in each): `cudaGraphLaunch` 812; `aten::copy_` 40"
+    assert want in E.report(tmp_path)
 
 
 def test_kernel_table_from_a_trace(tmp_path):
@@ -88,6 +93,8 @@ def test_kernel_table_from_a_trace(tmp_path):
     assert [k["name"] for k in t["kernels"]] == ["a", "Memcpy HtoD"]
     assert t["graph_launches_per_step"] == 1.0 and t["kernel_launches_per_step"] == 0.5
     assert t["kernels_per_step"] == 1.5 and t["graph_launch_us_per_step"] == 5.0   # 3 on the GPU, 10 µs launching
+    assert t["host_top"] == [["aten::mm", 499.5], ["cudaStreamSynchronize", 25.0], ["cudaGraphLaunch", 5.0],
+                             ["cuLaunchKernel", 1.0]]
     assert t["gpu_busy"] == pytest.approx(60 / 80)          # 60 µs of work between 100 and 180 µs
 
 
