@@ -10,8 +10,8 @@
 
 On the GPU machine, with the vLLM bundle (and, for `--engines sglang`, the SGLang bundle) on
 ``PYTHONPATH``. `run` builds two random-weight checkpoints with ``nvfp4-plugin make-model`` (the
-Llama-3-8B shape, "dense"; the Qwen3-30B-A3B shape with 12 layers, "moe") and quantizes each with
-our quantizer (calibrated ModelOpt NVFP4). Then every engine configuration runs in its own process,
+Llama-3-8B shape, "dense"; the Qwen3-30B-A3B shape with 12 layers, "moe", or ``--moe-layers N`` of its 48)
+and quantizes each with our quantizer (calibrated ModelOpt NVFP4). Then every engine configuration runs in its own process,
 started as a user starts it (``vllm.LLM`` with vLLM's default start method, ``sglang.Engine``):
 
     vllm:   bf16 | marlin (built-in modelopt_fp4, default backend) | humming (the same, Humming
@@ -131,15 +131,36 @@ def parallel_kwargs(engine: str, tp: int, ep: bool) -> dict:
 # models
 # ------------------------------------------------------------------------------------------------
 
-def build_models(model_dir: Path, models) -> dict[str, dict[str, Path]]:
-    """``{model: {"bf16": dir, "nvfp4": dir}}``, made with our CLI where missing."""
+#: decoder layers of the "moe" checkpoint by default (of Qwen3-30B-A3B's 48; ~16 GB in bf16)
+MOE_LAYERS = 12
+
+
+def model_stem(name: str, moe_layers: int = MOE_LAYERS) -> str:
+    """The checkpoint folders' prefix: ``moe`` at the default depth, ``moe-L24`` at another."""
+    return name if name != "moe" or moe_layers == MOE_LAYERS else f"{name}-L{moe_layers}"
+
+
+def model_label(model: str, layers: int | None = None) -> str:
+    """The report's name of a model, with the MoE depth its results were measured at."""
+    if model == "moe" and layers:
+        return f"Qwen3-30B-A3B shape, {layers} layers"
+    return MODELS[model][1]
+
+
+def build_models(model_dir: Path, models, moe_layers: int = MOE_LAYERS) -> dict[str, dict[str, Path]]:
+    """``{model: {"bf16": dir, "nvfp4": dir}}``, made with our CLI where missing (``moe_layers``: the MoE
+    checkpoint's depth; a deeper one is a larger share of GPU work per decode step against the engine's host
+    loop, as the 48-layer model has)."""
     out = {}
     for name in models:
         arch = MODELS[name][0]
-        bf16, q = model_dir / f"{name}-bf16", model_dir / f"{name}-nvfp4"
+        stem = model_stem(name, moe_layers)
+        bf16, q = model_dir / f"{stem}-bf16", model_dir / f"{stem}-nvfp4"
         cli = [sys.executable, "-m", "nvfp4_plugin.cli"]
         if not (bf16 / "config.json").exists():
-            subprocess.run([*cli, "make-model", str(bf16), "--arch", arch, "--size", "8b-shape"], check=True, cwd=ROOT)
+            depth = ["--layers", str(moe_layers)] if name == "moe" and moe_layers != MOE_LAYERS else []
+            subprocess.run([*cli, "make-model", str(bf16), "--arch", arch, "--size", "8b-shape", *depth], check=True,
+                           cwd=ROOT)
         if not (q / "config.json").exists():
             subprocess.run([*cli, "quantize", str(bf16), str(q), "--format", "modelopt"], check=True, cwd=ROOT)
         out[name] = {"bf16": bf16, "nvfp4": q}
@@ -616,6 +637,10 @@ def worker(a) -> int:
     result = {"engine": a.engine, "model": a.model, "config": a.config, "model_path": a.model_path,
               "parallel": parallel_tag(a.tp, a.ep), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
+        result["layers"] = json.loads((Path(a.model_path) / "config.json").read_text())["num_hidden_layers"]
+    except (OSError, ValueError, KeyError):
+        pass
+    try:
         (_vllm_worker if a.engine == "vllm" else _sglang_worker)(a, result)
     except Exception as exc:  # noqa: BLE001 - recorded in the results, the run goes on
         import traceback
@@ -742,7 +767,7 @@ def run(a) -> int:
             raise SystemExit(f"bench_e2e: --prefill-shapes {shape}: prompts must be shorter than --max-model-len "
                              f"{a.max_model_len}")
     out.mkdir(parents=True, exist_ok=True)
-    paths = build_models(Path(a.model_dir), a.models)
+    paths = build_models(Path(a.model_dir), a.models, a.moe_layers)
     env = plugin_env()
     par = parallel_tag(a.tp, a.ep)
     suffix = "" if par == "tp1" else f"-{par}"
@@ -1051,7 +1076,8 @@ def report(out: Path) -> str:
             continue
         batches = sorted({int(b) for r in rows for b in (r.get("decode") or {})})
         where = "" if par == "tp1" else f", {par}"
-        md += [f"## {engine}, {model} ({MODELS[model][1]}){where}", "",
+        depth = next((r["layers"] for r in rows if r.get("layers")), None)
+        md += [f"## {engine}, {model} ({model_label(model, depth)}){where}", "",
                "| config | run | start s | " + " | ".join(f"b={b}" for b in batches) + " | prefill |",
                "|---|---|---:|" + "---:|" * (len(batches) + 1)]
         for r in sorted(rows, key=lambda r: list(CONFIGS[engine]).index(r["config"])
@@ -1133,12 +1159,18 @@ def plot(runs: list[dict], path: Path) -> bool:
         ax.set_yscale("log")
         ax.set_xlabel("batch size (concurrent requests)")
         ax.set_ylabel("output tokens/s")
-        ax.set_title(f"{engine}: {MODELS[model][1]}")
+        depth = next((r["layers"] for r in runs if r.get("model") == model and r.get("layers")), None)
+        ax.set_title(f"{engine}: {model_label(model, depth)}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
+
+
+MOE_LAYERS_HELP = (f"decoder layers of the MoE checkpoint (default {MOE_LAYERS} of Qwen3-30B-A3B's 48; another depth is "
+                   "built beside it as moe-L<N>-bf16 / -nvfp4, ~1.25 GB of bf16 and ~0.4 GB of NVFP4 per layer); one "
+                   "depth per --out folder")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -1168,6 +1200,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--model-dir", default="/tmp/e2e-models")
     r.add_argument("--engines", nargs="+", default=["vllm"], choices=list(CONFIGS))
     r.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    r.add_argument("--moe-layers", type=_positive_int, default=MOE_LAYERS, help=MOE_LAYERS_HELP)
     r.add_argument("--configs", nargs="+", default=None, help="subset of each engine's configurations")
     r.add_argument("--profile-batches", type=int, nargs="*", default=[1, 8, 64])
     r.add_argument("--serve", action="store_true",
@@ -1196,6 +1229,7 @@ def parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="only build the checkpoints")
     m.add_argument("--model-dir", default="/tmp/e2e-models")
     m.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    m.add_argument("--moe-layers", type=_positive_int, default=MOE_LAYERS, help=MOE_LAYERS_HELP)
     sub.add_parser("prebuild-sglang-jit", help="build SGLang's nvcc JIT kernels (its built-in NVFP4 on Hopper's Marlin, "
                    "the first request's position clamp) into the cache the engine processes use; `run` does it too")
     p = sub.add_parser("report", help="tables and plot from a results folder")
@@ -1208,7 +1242,7 @@ def main(argv=None) -> int:
     if a.cmd == "worker":
         return worker(a)
     if a.cmd == "models":
-        build_models(Path(a.model_dir), a.models)
+        build_models(Path(a.model_dir), a.models, a.moe_layers)
         return 0
     if a.cmd == "report":
         report(Path(a.out))

@@ -217,16 +217,29 @@ def make_model_cmd(args) -> int:
     try:
         r = _with_sigterm_as_interrupt(
             lambda _a: make_model(out, args.arch, args.size, args.seed, device=args.device,
-                                  max_shard_size=args.max_shard_size, progress=not args.quiet), args)
+                                  max_shard_size=args.max_shard_size, progress=not args.quiet,
+                                  layers=args.layers), args)
     except KeyboardInterrupt:
         print(f"nvfp4-plugin make-model: interrupted; {out} is incomplete", file=sys.stderr)
         return 130
     except MissingDependency as exc:
         print(f"nvfp4-plugin make-model: error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {r['dir']}: {r['arch']} {r['size']}, {r['params'] / 1e6:.1f}M parameters, vocab {r['vocab']}, "
+    print(f"wrote {r['dir']}: {r['arch']} {r['size']}, {r['layers']} layers, {r['params'] / 1e6:.1f}M parameters, "
+          f"vocab {r['vocab']}, "
           f"{len(r['files'])} file(s), {r['bytes'] / 1e9:.2f} GB bf16, {r['seconds']:.1f}s on {r['device']}")
     return 0
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int of at least 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
 
 
 def dequantize_cmd(args) -> int:
@@ -382,6 +395,8 @@ def main(argv=None) -> int:
     p.add_argument("--size", choices=SIZES, default="tiny",
                    help="tiny (~2M params), small (~50-100M), 8b-shape (~8B, ~16 GB bf16)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=_positive_int, default=None,
+                   help="decoder layers instead of the size's (8b-shape qwen3_moe: 12 of Qwen3-30B-A3B's 48)")
     p.add_argument("--device", default="auto", help="where random numbers are drawn: auto, cuda or cpu")
     p.add_argument("--max-shard-size", default="4.5GB")
     p.add_argument("--overwrite", action="store_true")

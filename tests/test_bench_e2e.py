@@ -134,7 +134,8 @@ def test_serve_runs_each_engines_server_with_its_context_flag(tmp_path, monkeypa
     from integration.serve_check import server_command
 
     served = []
-    monkeypatch.setattr(E, "build_models", lambda d, models: {m: {"bf16": d / "b", "nvfp4": d / "q"} for m in models})
+    monkeypatch.setattr(E, "build_models", lambda d, models, *_: {m: {"bf16": d / "b", "nvfp4": d / "q"}
+                                                                   for m in models})
     monkeypatch.setattr(E, "plugin_env", lambda: {})
     monkeypatch.setattr(E, "report", lambda out: "")
     monkeypatch.setattr(E, "prebuild_sglang_jit", lambda marlin=True: [])
@@ -319,7 +320,8 @@ def test_run_refuses_bad_parallelism_before_building_models(tmp_path, monkeypatc
 
 def test_run_hands_the_parallelism_to_each_worker(tmp_path, monkeypatch):
     cmds = []
-    monkeypatch.setattr(E, "build_models", lambda d, models: {m: {"bf16": d / "b", "nvfp4": d / "q"} for m in models})
+    monkeypatch.setattr(E, "build_models", lambda d, models, *_: {m: {"bf16": d / "b", "nvfp4": d / "q"}
+                                                                   for m in models})
     monkeypatch.setattr(E, "plugin_env", lambda: {})
     monkeypatch.setattr(E, "report", lambda out: "")
     monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: cmds.append(cmd))
@@ -337,7 +339,8 @@ def test_a_b_configuration_runs_only_when_named_and_with_its_environment(tmp_pat
     """``ours-triton-launch``: ours with NVFP4_PLUGIN_FAST_LAUNCH=0 in its engine process (the served effect
     of the direct kernel launches, in one run); a run without --configs leaves it out."""
     runs = []
-    monkeypatch.setattr(E, "build_models", lambda d, models: {m: {"bf16": d / "b", "nvfp4": d / "q"} for m in models})
+    monkeypatch.setattr(E, "build_models", lambda d, models, *_: {m: {"bf16": d / "b", "nvfp4": d / "q"}
+                                                                   for m in models})
     monkeypatch.setattr(E, "plugin_env", lambda: {"PATH": "/bin"})
     monkeypatch.setattr(E, "report", lambda out: "")
     monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: runs.append((cmd[cmd.index("--config") + 1],
@@ -412,7 +415,8 @@ def test_rounds_run_each_configuration_again_and_report_the_median(tmp_path, mon
     profiled in the first round only; the report reads one result per configuration with the median of the
     rounds (per-round values kept, first-run checks against the first round's own runs)."""
     cmds = []
-    monkeypatch.setattr(E, "build_models", lambda d, models: {m: {"bf16": d / "b", "nvfp4": d / "q"} for m in models})
+    monkeypatch.setattr(E, "build_models", lambda d, models, *_: {m: {"bf16": d / "b", "nvfp4": d / "q"}
+                                                                   for m in models})
     monkeypatch.setattr(E, "plugin_env", lambda: {})
     monkeypatch.setattr(E, "report", lambda out: "")
     monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: cmds.append(cmd))
@@ -595,3 +599,40 @@ def test_sglang_profile_of_a_short_run_is_closed_and_skipped(tmp_path):
     E._sglang_profiles(eng, a, lambda n, length, gen: (eng.run(n, length, gen), (n, 1.0))[1], result)
     assert result["profile"] == {}
     assert [op for op, _ in eng.calls] == ["start", "stop"] and eng.open is None
+
+
+def test_moe_depth_builds_its_own_checkpoints_and_names_itself(tmp_path, monkeypatch):
+    """``--moe-layers``: the MoE checkpoints at another depth are built beside the default ones (make-model
+    ``--layers``), the worker records the depth it served, and the report's section and plot say it."""
+    cmds = []
+    monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: cmds.append(cmd))
+    paths = E.build_models(tmp_path, ["moe", "dense"], 24)
+    assert paths["moe"] == {"bf16": tmp_path / "moe-L24-bf16", "nvfp4": tmp_path / "moe-L24-nvfp4"}
+    assert paths["dense"]["bf16"] == tmp_path / "dense-bf16"
+    mk = [c for c in cmds if "make-model" in c]
+    assert mk[0][mk[0].index("make-model") + 1:] == [str(tmp_path / "moe-L24-bf16"), "--arch", "qwen3_moe", "--size",
+                                                     "8b-shape", "--layers", "24"]
+    assert "--layers" not in mk[1]                                    # dense keeps its shape
+    cmds.clear()
+    assert E.build_models(tmp_path, ["moe"])["moe"]["bf16"] == tmp_path / "moe-bf16"
+    assert "--layers" not in cmds[0]
+    with pytest.raises(SystemExit):
+        E.main(["models", "--moe-layers", "0"])
+    # the worker reads the depth from the checkpoint it serves
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text(json.dumps({"num_hidden_layers": 24}))
+    monkeypatch.setattr(E, "_vllm_worker",
+                        lambda a, result: result.update(decode={"1": {"tok_s": 1.0, "first_tok_s": 1.0}}))
+    monkeypatch.setattr(E.os, "_exit", lambda rc: exits.append(rc))   # the worker ends its process
+    exits = []
+    out = tmp_path / "res" / "vllm-moe-ours.json"
+    out.parent.mkdir()
+    E.main(["worker", "--engine", "vllm", "--model", "moe", "--config", "ours", "--model-path", str(ck),
+            "--out", str(out)])
+    assert exits == [0]
+    r = json.loads(out.read_text())
+    assert r["layers"] == 24 and "error" not in r
+    assert "## vllm, moe (Qwen3-30B-A3B shape, 24 layers)" in E.report(out.parent)
+    assert E.model_label("moe") == "Qwen3-30B-A3B shape, 12 layers" == E.MODELS["moe"][1]
+    assert E.model_label("dense", 32) == E.MODELS["dense"][1]

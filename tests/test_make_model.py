@@ -97,3 +97,26 @@ def test_cli_make_model(tmp_path, capsys):
     assert cli.main(["make-model", str(d), "--arch", "llama", "--quiet"]) == 2
     assert "not empty" in capsys.readouterr().err
     assert json.loads((d / "config.json").read_text())["model_type"] == "mixtral"
+
+
+def test_make_model_layers_override(tmp_path, capsys):
+    """``--layers``: the size's dimensions with another decoder depth (the MoE benchmark shape at more of
+    Qwen3-30B-A3B's 48 layers); a bad value is refused by name before anything is written."""
+    d = tmp_path / "moe"
+    assert cli.main(["make-model", str(d), "--arch", "qwen3_moe", "--layers", "3", "--device", "cpu", "--quiet"]) == 0
+    assert "qwen3_moe tiny, 3 layers" in capsys.readouterr().out
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 3 and cfg["model_type"] == "qwen3_moe"
+    from safetensors import safe_open
+
+    names = set()
+    for f in d.glob("*.safetensors"):
+        with safe_open(f, "pt") as sf:
+            names |= set(sf.keys())
+    assert {n.split(".")[2] for n in names if n.startswith("model.layers.")} == {"0", "1", "2"}
+    with pytest.raises(SystemExit):
+        cli.main(["make-model", str(tmp_path / "x"), "--layers", "0"])
+    assert "--layers: expected a positive integer, got '0'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="layers: expected a positive int, got 0"):
+        make_model(tmp_path / "y", "llama", "tiny", layers=0)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

@@ -199,12 +199,15 @@ def _random_tensor(name: str, shape, gen: torch.Generator, device: torch.device)
 
 
 def make_model(out_dir, arch: str = "llama", size: str = "tiny", seed: int = 0, device: str = "auto",
-               max_shard_size="4.5GB", progress: bool = False) -> dict:
-    """Write the checkpoint; returns a small summary (params, files, seconds)."""
+               max_shard_size="4.5GB", progress: bool = False, layers: int | None = None) -> dict:
+    """Write the checkpoint; returns a small summary (params, files, seconds). ``layers``: the number of
+    decoder layers instead of the size's (e.g. more of Qwen3-30B-A3B's 48 than the 8b-shape's 12)."""
     if arch not in ARCHS:
         raise ValueError(f"arch: expected one of {ARCHS}, got {arch!r}")
     if size not in SIZES:
         raise ValueError(f"size: expected one of {SIZES}, got {size!r}")
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+        raise ValueError(f"layers: expected a positive int, got {layers!r}")
     require("tokenizers", "make-model")
     require("transformers", "make-model")
     t0 = time.time()
@@ -212,7 +215,7 @@ def make_model(out_dir, arch: str = "llama", size: str = "tiny", seed: int = 0, 
                        ("cpu" if device == "auto" else device))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    d = DIMS[arch][size]
+    d = DIMS[arch][size] if layers is None else dict(DIMS[arch][size], layers=layers)
 
     tok = train_tokenizer(d.get("vocab"))
     vocab = tok.get_vocab_size()
@@ -245,5 +248,5 @@ def make_model(out_dir, arch: str = "llama", size: str = "tiny", seed: int = 0, 
         if bar is not None:
             bar.close()
     n_params = sum(math.prod(s) for _, s in shapes)
-    return {"dir": str(out), "arch": arch, "size": size, "params": n_params, "vocab": vocab,
+    return {"dir": str(out), "arch": arch, "size": size, "layers": d["layers"], "params": n_params, "vocab": vocab,
             "files": writer.names, "bytes": writer.total_bytes, "seconds": time.time() - t0, "device": str(dev)}
