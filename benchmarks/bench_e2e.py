@@ -11,8 +11,8 @@
 On the GPU machine, with the vLLM bundle (and, for `--engines sglang`, the SGLang bundle) on
 ``PYTHONPATH``. `run` builds two random-weight checkpoints with ``nvfp4-plugin make-model`` (the
 Llama-3-8B shape, "dense"; the Qwen3-30B-A3B shape with 12 layers, "moe", or ``--moe-layers N`` of its 48)
-and quantizes each with our quantizer (calibrated ModelOpt NVFP4). Then every engine configuration runs in its own process,
-started as a user starts it (``vllm.LLM`` with vLLM's default start method, ``sglang.Engine``):
+and quantizes each with our quantizer (calibrated ModelOpt NVFP4). Then every engine configuration runs in
+its own process, started as a user starts it (``vllm.LLM`` with vLLM's default start method, ``sglang.Engine``):
 
     vllm:   bf16 | marlin (built-in modelopt_fp4, default backend) | humming (the same, Humming
             kernels) | ours (--quantization nvfp4)
