@@ -773,9 +773,15 @@ def run(a) -> int:
     suffix = "" if par == "tp1" else f"-{par}"
     if "sglang" in a.engines:
         prebuild_sglang_jit(marlin="builtin" in (a.configs or default_configs("sglang")))
+    def order(engine: str, rnd: int) -> list[str]:
+        """The configurations of a round, rotated by one place each round: a machine whose host slows for a
+        while (host-bound decode moves by up to 1.5x between runs) does not always hit the same one."""
+        cfgs = list(a.configs or default_configs(engine))
+        return cfgs[rnd % len(cfgs):] + cfgs[:rnd % len(cfgs)]
+
     for rnd, engine, model, config in ((rnd, engine, model, config) for rnd in range(a.rounds)
                                        for engine in a.engines for model in a.models
-                                       for config in a.configs or default_configs(engine)):
+                                       for config in order(engine, rnd)):
         if config not in CONFIGS[engine]:
             continue
         # rounds after the first: the same configurations again, each in a fresh engine process, after
@@ -1214,7 +1220,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--overwrite", action="store_true", help="rerun configurations whose JSON is already in --out")
     r.add_argument("--rounds", type=_positive_int, default=1,
                    help="run every configuration this many times, each in a fresh engine process, round after "
-                        "round; the report takes the median of the rounds (profiles: the first round only)")
+                        "round (each round's order rotated by one place); the report takes the median of the "
+                        "rounds (profiles: the first round only)")
     common(r)
     w = sub.add_parser("worker", help="(internal) one engine configuration")
     w.add_argument("--engine", required=True, choices=list(CONFIGS))
