@@ -293,12 +293,14 @@ def kernel_table(trace_path: str, steps: int, top: int = 15) -> dict:
     by_name: dict[str, list[float]] = {}
     graphs = eager = 0
     graph_us = 0.0
+    n_kernels = 0
     first, last = None, None
     gpu, host = [], []
     for e in events:
         if e.get("ph") != "X":
             continue
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            n_kernels += e.get("cat") == "kernel"
             dur = float(e.get("dur", 0.0))
             by_name.setdefault(e["name"], []).append(dur)
             ts = float(e.get("ts", 0.0))
@@ -320,7 +322,7 @@ def kernel_table(trace_path: str, steps: int, top: int = 15) -> dict:
     span = (last - first) if first is not None else 0.0
     return {"steps": steps, "gpu_us_per_step": total / steps,
             "graph_launches_per_step": graphs / steps, "kernel_launches_per_step": eager / steps,
-            "kernels_per_step": sum(len(v) for v in by_name.values()) / steps,
+            "kernels_per_step": n_kernels / steps,
             "graph_launch_us_per_step": round(graph_us / steps, 1),
             # the host's busiest ops and runtime calls, µs per step (nested ones counted in each: a step's
             # annotation holds its ops): where a step that waits on the host spends it
@@ -552,7 +554,9 @@ def host_cpus(cpu) -> dict:
     """CPUs busy on average over a :class:`~benchmarks.common.TreeCpuMeter` block: the engine's process tree,
     the whole machine (its difference: other work on this machine) and stolen by the hypervisor (where the
     machine is virtual): a host-bound decode step that slows in one run and not the next shows its cause."""
-    w = cpu.wall_s or float("nan")
+    w = cpu.wall_s
+    if not w:
+        return {}
     out = {"tree": round(sum(cpu.cpu_s.values()) / w, 2)}
     if getattr(cpu, "machine_busy_s", None) is not None:
         out.update(machine=round(cpu.machine_busy_s / w, 2), steal=round(cpu.steal_s / w, 3))
@@ -633,13 +637,19 @@ def parse_shape(shape: str) -> tuple[int, int]:
     return n, length
 
 
+def checkpoint_layers(model_path) -> int | None:
+    """The decoder depth of a checkpoint folder (``num_hidden_layers`` of its config.json), None if unread."""
+    try:
+        return int(json.loads((Path(model_path) / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def worker(a) -> int:
     result = {"engine": a.engine, "model": a.model, "config": a.config, "model_path": a.model_path,
               "parallel": parallel_tag(a.tp, a.ep), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    try:
-        result["layers"] = json.loads((Path(a.model_path) / "config.json").read_text())["num_hidden_layers"]
-    except (OSError, ValueError, KeyError):
-        pass
+    if (layers := checkpoint_layers(a.model_path)) is not None:
+        result["layers"] = layers
     try:
         (_vllm_worker if a.engine == "vllm" else _sglang_worker)(a, result)
     except Exception as exc:  # noqa: BLE001 - recorded in the results, the run goes on
@@ -767,7 +777,9 @@ def run(a) -> int:
             raise SystemExit(f"bench_e2e: --prefill-shapes {shape}: prompts must be shorter than --max-model-len "
                              f"{a.max_model_len}")
     out.mkdir(parents=True, exist_ok=True)
-    paths = build_models(Path(a.model_dir), a.models, a.moe_layers)
+    check_depth(out, a.moe_layers)
+    served = set(a.serve_models or []) if a.serve else set()
+    paths = build_models(Path(a.model_dir), sorted(set(a.models) | served), a.moe_layers)
     env = plugin_env()
     par = parallel_tag(a.tp, a.ep)
     suffix = "" if par == "tp1" else f"-{par}"
@@ -825,9 +837,23 @@ def run(a) -> int:
                         continue
                     res_path = out / f"serve-{engine}-{model}-{config}.json"
                     res = serve_bench(a, engine, model, config, paths[model][CONFIGS[engine][config][0]], env)
+                    res["layers"] = checkpoint_layers(paths[model][CONFIGS[engine][config][0]])
                     res_path.write_text(json.dumps(res, indent=1))
     report(out)
     return 0
+
+
+def check_depth(out: Path, moe_layers: int) -> None:
+    """Refuse a ``--moe-layers`` other than the one of the MoE results already in ``out`` (one depth per
+    folder: the result files do not name it, and a finished configuration is not run again)."""
+    for f in sorted(out.glob("*moe*.json")):
+        try:
+            r = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if r.get("model") == "moe" and (r.get("layers") or MOE_LAYERS) != moe_layers:
+            raise SystemExit(f"bench_e2e: --moe-layers {moe_layers}, but {f.name} in --out {out} holds MoE results at "
+                             f"{r.get('layers') or MOE_LAYERS} layers: one depth per --out folder, use another")
 
 
 def load_results(out: Path) -> list[dict]:
@@ -947,7 +973,7 @@ def checks(results: list[dict], engine: str, model: str) -> list[str]:
         if cells:
             lines.append(f"host CPU per decode step at batch {b} (busiest process of the engine, CPU / wall): "
                          + ", ".join(cells))
-    # other work on the machine and the hypervisor's steal during the decode runs: the most of any batch
+    # other work on the machine and the hypervisor's steal during the decode runs: the most of any batch or round
     cells = []
     for c, r in sorted(by.items()):
         hc = [h for d in (r.get("decode") or {}).values()
@@ -956,7 +982,7 @@ def checks(results: list[dict], engine: str, model: str) -> list[str]:
             cells.append(f"{c} {max(h['machine'] - h['tree'] for h in hc):.2f} / {max(h['steal'] for h in hc):.2f}")
     if cells:
         lines.append("CPUs busy outside the engine's processes / stolen by the hypervisor during the decode runs "
-                     "(the most of any batch): " + ", ".join(cells))
+                     "(the most of any batch or round, each maximum on its own): " + ", ".join(cells))
     for c, r in sorted(by.items()):
         if r.get("rounds", 1) > 1:
             lines.append(f"{c}: the median of {r['rounds']} rounds (fresh engine processes); tokens/s per round: "
@@ -1126,10 +1152,11 @@ def report(out: Path) -> str:
         firsts = []
         for r in serves:
             eng = r.get("engine", "vllm")
+            mod = r.get("model") if r.get("model") != "moe" or not r.get("layers") else f"moe, {r['layers']} layers"
             if r.get("error"):
-                md.append(f"| {eng} | {r.get('model')} | {r['config']} | - | error: {r['error'][:200]} | | | |")
+                md.append(f"| {eng} | {mod} | {r['config']} | - | error: {r['error'][:200]} | | | |")
             for c, s in r["concurrency"].items():
-                md.append(f"| {eng} | {r.get('model')} | {r['config']} | {c} | {s['tok_s']:.0f} | {s['ttft_ms_p50']} / "
+                md.append(f"| {eng} | {mod} | {r['config']} | {c} | {s['tok_s']:.0f} | {s['ttft_ms_p50']} / "
                           f"{s['ttft_ms_p99']} | {s['itl_ms_p50']} / {s['itl_ms_p99']} | {s.get('request_ms_p50', '-')} |")
             firsts += served_first_line(r)
         md += [""] + [f"- {line}" for line in firsts] + ([""] if firsts else [])

@@ -393,7 +393,7 @@ def main(argv=None) -> int:
     p.add_argument("dir")
     p.add_argument("--arch", choices=ARCHS, default="llama")
     p.add_argument("--size", choices=SIZES, default="tiny",
-                   help="tiny (~2M params), small (~50-100M), 8b-shape (~8B, ~16 GB bf16)")
+                   help="tiny (~2M params), small (~50-100M), 8b-shape (~8B, ~16 GB bf16 at its own depth)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=_positive_int, default=None,
                    help="decoder layers instead of the size's (8b-shape qwen3_moe: 12 of Qwen3-30B-A3B's 48)")

@@ -92,7 +92,7 @@ def test_kernel_table_from_a_trace(tmp_path):
     assert t["kernels"][0] == {"name": "a", "us_per_step": 20.0, "share": pytest.approx(40 / 60), "calls_per_step": 1.0}
     assert [k["name"] for k in t["kernels"]] == ["a", "Memcpy HtoD"]
     assert t["graph_launches_per_step"] == 1.0 and t["kernel_launches_per_step"] == 0.5
-    assert t["kernels_per_step"] == 1.5 and t["graph_launch_us_per_step"] == 5.0   # 3 on the GPU, 10 µs launching
+    assert t["kernels_per_step"] == 1.0 and t["graph_launch_us_per_step"] == 5.0   # 2 kernels, 10 µs launching
     assert t["host_top"] == [["aten::mm", 499.5], ["cudaStreamSynchronize", 25.0], ["cudaGraphLaunch", 5.0],
                              ["cuLaunchKernel", 1.0]]
     assert t["gpu_busy"] == pytest.approx(60 / 80)          # 60 µs of work between 100 and 180 µs
@@ -505,7 +505,7 @@ def test_report_names_other_work_and_steal_of_every_round():
             "decode": {"1": dict(d0, tok_s=400.0), "2": dict(d0, tok_s=800.0, host_cpus={"tree": 1.0})}}
     lines = E.checks([merged, bf16], "vllm", "moe")
     assert ("CPUs busy outside the engine's processes / stolen by the hypervisor during the decode runs (the most "
-            "of any batch): bf16 0.30 / 0.01, ours 2.50 / 0.40") in lines
+            "of any batch or round, each maximum on its own): bf16 0.30 / 0.01, ours 2.50 / 0.40") in lines
 
 
 def test_host_cpus_of_a_meter():
@@ -513,6 +513,8 @@ def test_host_cpus_of_a_meter():
     assert E.host_cpus(m) == {"tree": 0.75, "machine": 2.0, "steal": 0.05}
     m.machine_busy_s = None                                          # no /proc/stat
     assert E.host_cpus(m) == {"tree": 0.75}
+    m.wall_s = 0.0                                                   # nothing measured: no NaN in the JSON
+    assert E.host_cpus(m) == {}
 
 
 class _FakeSglangEngine:
@@ -637,3 +639,40 @@ def test_moe_depth_builds_its_own_checkpoints_and_names_itself(tmp_path, monkeyp
     assert "## vllm, moe (Qwen3-30B-A3B shape, 24 layers)" in E.report(out.parent)
     assert E.model_label("moe") == "Qwen3-30B-A3B shape, 12 layers" == E.MODELS["moe"][1]
     assert E.model_label("dense", 32) == E.MODELS["dense"][1]
+    # one depth per --out folder: a run at another depth than the results already there is refused, before
+    # anything is built or run (the result files do not name the depth; finished configurations are skipped)
+    monkeypatch.setattr(E, "build_models", lambda *a: pytest.fail("models built"))
+    with pytest.raises(SystemExit, match=r"--moe-layers 12, but vllm-moe-ours.json .* at 24 layers"):
+        E.main(["run", "--out", str(out.parent), "--models", "moe"])
+    (out.parent / "vllm-moe-bf16.json").write_text(json.dumps(_result("bf16", {1: 1.0}, model="moe")))
+    with pytest.raises(SystemExit, match=r"--moe-layers 24, but vllm-moe-bf16.json .* at 12 layers"):
+        E.main(["run", "--out", str(out.parent), "--models", "moe", "--moe-layers", "24"])
+    (out.parent / "vllm-moe-bf16.json").unlink()
+    E.check_depth(out.parent, 24)                                     # the same depth: fine
+    # served results name the depth too
+    serve = {"engine": "vllm", "model": "moe", "config": "ours", "layers": 24,
+             "concurrency": {"1": {"tok_s": 10.0, "ttft_ms_p50": 1, "ttft_ms_p99": 2, "itl_ms_p50": 3,
+                                   "itl_ms_p99": 4}}}
+    (out.parent / "serve-vllm-moe-ours.json").write_text(json.dumps(serve))
+    assert "| vllm | moe, 24 layers | ours | 1 | 10 |" in E.report(out.parent)
+
+
+def test_served_models_are_built_too(tmp_path, monkeypatch):
+    """``--serve --serve-models moe`` with ``--models dense``: the MoE checkpoints are built as well (the
+    servers need them), and only when something is served."""
+    built = []
+
+    def fake_build(d, models, layers):
+        built.append((list(models), layers))
+        return {m: {"bf16": d / "b", "nvfp4": d / "q"} for m in models}
+
+    monkeypatch.setattr(E, "build_models", fake_build)
+    monkeypatch.setattr(E, "plugin_env", lambda: {})
+    monkeypatch.setattr(E, "report", lambda out: "")
+    monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: None)
+    monkeypatch.setattr(E, "serve_bench", lambda a, engine, model, config, path, env: {"engine": engine,
+                                                                                      "model": model})
+    E.main(["run", "--out", str(tmp_path / "a"), "--models", "dense", "--configs", "ours", "--serve",
+            "--serve-models", "moe", "--moe-layers", "20"])
+    E.main(["run", "--out", str(tmp_path / "b"), "--models", "dense", "--configs", "ours", "--serve-models", "moe"])
+    assert built == [(["dense", "moe"], 20), (["dense"], 12)]
