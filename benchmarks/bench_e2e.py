@@ -292,7 +292,6 @@ def kernel_table(trace_path: str, steps: int, top: int = 15) -> dict:
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
     by_name: dict[str, list[float]] = {}
     graphs = eager = 0
-    graph_us = 0.0
     n_kernels = 0
     first, last = None, None
     gpu, host = [], []
@@ -310,7 +309,6 @@ def kernel_table(trace_path: str, steps: int, top: int = 15) -> dict:
         elif e.get("cat") in ("cuda_runtime", "cuda_driver"):
             graphs += e.get("name") in GRAPH_LAUNCHES
             eager += e.get("name") in KERNEL_LAUNCHES
-            graph_us += float(e.get("dur", 0.0)) if e.get("name") in GRAPH_LAUNCHES else 0.0
             host.append(e)
         elif e.get("cat") in ("cpu_op", "user_annotation"):
             host.append(e)
@@ -323,7 +321,7 @@ def kernel_table(trace_path: str, steps: int, top: int = 15) -> dict:
     return {"steps": steps, "gpu_us_per_step": total / steps,
             "graph_launches_per_step": graphs / steps, "kernel_launches_per_step": eager / steps,
             "kernels_per_step": n_kernels / steps,
-            "graph_launch_us_per_step": round(graph_us / steps, 1),
+            "graph_launch_us_per_step": round(sum(host_by.get(n, 0.0) for n in GRAPH_LAUNCHES) / steps, 1),
             # the host's busiest ops and runtime calls, µs per step (nested ones counted in each: a step's
             # annotation holds its ops): where a step that waits on the host spends it
             "host_top": [[k, round(v / steps, 1)] for k, v in sorted(host_by.items(), key=lambda kv: -kv[1])[:8]],
@@ -883,12 +881,11 @@ def merge_rounds(first: dict, later: list[dict]) -> dict:
     for b, d in first["decode"].items():
         vals = [d["tok_s"]] + [r["decode"][b]["tok_s"] for r in later if b in r["decode"]]
         med = statistics.median(vals)
+        per_round = [d] + [r["decode"].get(b) or {} for r in later]
         out["decode"][b] = dict(d, tok_s=round(med, 1), rounds_tok_s=vals, round0_tok_s=d["tok_s"],
                                 ms_per_step=round(1e3 * int(b) / med, 3) if med else d.get("ms_per_step"),
-                                rounds_host_cpu=[host_cpu_summary(x) for x in
-                                                 [d] + [r["decode"].get(b) or {} for r in later]],
-                                rounds_host_cpus=[x.get("host_cpus") for x in
-                                                  [d] + [r["decode"].get(b) or {} for r in later]])
+                                rounds_host_cpu=[host_cpu_summary(x) for x in per_round],
+                                rounds_host_cpus=[x.get("host_cpus") for x in per_round])
     if first.get("prefill"):
         vals = [first["prefill"]["tok_s"]] + [r["prefill"]["tok_s"] for r in later if r.get("prefill")]
         out["prefill"] = dict(first["prefill"], tok_s=round(statistics.median(vals), 1), rounds_tok_s=vals)
