@@ -4,6 +4,7 @@
     python -m benchmarks.bench_e2e run --out DIR                 # models, every engine config, report
     python -m benchmarks.bench_e2e run --out DIR --engines vllm --models dense --configs ours marlin
     python -m benchmarks.bench_e2e run --out DIR --models moe --configs ours marlin --tp 2 --ep   # expert parallel
+    python -m benchmarks.bench_e2e run --out DIR --models moe --gpus 0 1     # two engines at a time, one per GPU
     python -m benchmarks.bench_e2e report DIR                    # table + plot from DIR's JSON results
     python -m benchmarks.bench_e2e prebuild-sglang-jit           # SGLang's nvcc JIT kernels, ahead of `run`
     nvfp4-plugin bench e2e --out DIR ...                         # the same as `run`
@@ -38,6 +39,9 @@ ready (recorded: what a user's first request meets), then streaming completions 
 clients: tokens/s, time to first token and inter-token latency (p50 / p99). vLLM runs also record the
 worker's torch allocator counters over one extra prefill run (cudaMalloc retries synchronise the device: wall
 time the kernel profile does not show).
+
+With ``--gpus``, engine processes run side by side, one per ``--tp`` GPUs of the list, sharing the host's
+CPUs (each decode run records how busy the machine was outside its engine).
 
 Results: one JSON per configuration in DIR, ``e2e.md`` (tables, ratios, the floors of the
 end-to-end issue) and ``e2e.png`` (tokens/s against batch size).
@@ -606,6 +610,18 @@ def run_sweep(result: dict, timed, a) -> None:
     result["prefill"]["clocks"] = clocks.summary
     if result["prefill_shapes"]:
         print(f"[{a.engine} {a.model} {a.config}] prefill shapes: {result['prefill_shapes']}", flush=True)
+    # the sweep's numbers on disk before what follows (profiles): an engine that dies there (SGLang's scheduler
+    # ends its parent with SIGQUIT when it crashes) leaves them, marked, instead of nothing
+    Path(a.out).write_text(json.dumps(dict(result, gpu=gpu_name() or "?",
+                                           incomplete="the engine process ended after the sweep"), indent=1))
+
+
+def gpu_name() -> str | None:
+    try:
+        import torch
+        return torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _shape_arg(shape: str) -> str:
@@ -648,17 +664,16 @@ def worker(a) -> int:
               "parallel": parallel_tag(a.tp, a.ep), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     if (layers := checkpoint_layers(a.model_path)) is not None:
         result["layers"] = layers
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):
+        result["gpus"] = os.environ["CUDA_VISIBLE_DEVICES"]      # which GPUs (runs side by side: --gpus)
     try:
         (_vllm_worker if a.engine == "vllm" else _sglang_worker)(a, result)
     except Exception as exc:  # noqa: BLE001 - recorded in the results, the run goes on
         import traceback
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-4000:]
-    try:
-        import torch
-        result["gpu"] = torch.cuda.get_device_name(0)
-    except Exception:  # noqa: BLE001
-        pass
+    if (gpu := gpu_name()) is not None:
+        result["gpu"] = gpu
     Path(a.out).write_text(json.dumps(result, indent=1))
     # the engines leave non-daemon threads behind; the result is written
     sys.stdout.flush()
@@ -770,6 +785,7 @@ def run(a) -> int:
     parallel_kwargs(a.engines[0], a.tp, a.ep)             # bad --tp / --ep: refused before any model is built
     if a.serve and a.tp > 1:
         raise SystemExit("bench_e2e: --serve runs on one GPU; drop --serve or --tp")
+    slots = gpu_slots(a.gpus, a.tp)                        # bad --gpus: refused before any model is built
     for shape in a.prefill_shapes:   # each prompt plus its one generated token must fit the context
         if parse_shape(shape)[1] >= a.max_model_len:
             raise SystemExit(f"bench_e2e: --prefill-shapes {shape}: prompts must be shorter than --max-model-len "
@@ -783,24 +799,19 @@ def run(a) -> int:
     suffix = "" if par == "tp1" else f"-{par}"
     if "sglang" in a.engines:
         prebuild_sglang_jit(marlin="builtin" in (a.configs or default_configs("sglang")))
+
     def order(engine: str, rnd: int) -> list[str]:
         """The configurations of a round, rotated by one place each round: a machine whose host slows for a
         while (host-bound decode moves by up to 1.5x between runs) does not always hit the same one."""
         cfgs = list(a.configs or default_configs(engine))
         return cfgs[rnd % len(cfgs):] + cfgs[:rnd % len(cfgs)]
 
-    for rnd, engine, model, config in ((rnd, engine, model, config) for rnd in range(a.rounds)
-                                       for engine in a.engines for model in a.models
-                                       for config in order(engine, rnd)):
-        if config not in CONFIGS[engine]:
-            continue
-        # rounds after the first: the same configurations again, each in a fresh engine process, after
-        # all of the previous round (host-bound decode varies by up to ±30% between processes)
+    def job(rnd: int, engine: str, model: str, config: str, slot: list[str] | None) -> None:
         tag = suffix + (f".round{rnd}" if rnd else "")
         res_path = out / f"{engine}-{model}-{config}{tag}.json"
         if res_path.exists() and not a.overwrite:
             print(f"=== {res_path.name}: already there", flush=True)
-            continue
+            return
         if rnd == 0:     # a new first round: later rounds of an earlier run are not this run's
             for stale in out.glob(f"{engine}-{model}-{config}{suffix}.round*.json"):
                 stale.unlink()
@@ -815,16 +826,26 @@ def run(a) -> int:
                "--tp", str(a.tp)] + (["--ep"] if a.ep else [])
         if a.profile_batches and rnd == 0:
             cmd += ["--profile-batches", *map(str, a.profile_batches)]
-        print(f"=== {engine} {model} {config} {par}" + (f" round {rnd}" if rnd else ""), flush=True)
+        where = (f" round {rnd}" if rnd else "") + (f" on GPU {','.join(slot)}" if slot else "")
+        print(f"=== {engine} {model} {config} {par}{where}", flush=True)
         t = time.time()
+        penv = config_env(env, config)
+        if slot:
+            penv = {**penv, "CUDA_VISIBLE_DEVICES": ",".join(slot)}
         with open(out / f"{engine}-{model}-{config}{tag}.log", "w") as log:
             try:
-                subprocess.run(cmd, cwd=ROOT, env=config_env(env, config), stdout=log, stderr=subprocess.STDOUT,
-                               timeout=a.timeout)
+                subprocess.run(cmd, cwd=ROOT, env=penv, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout)
             except subprocess.TimeoutExpired:
                 res_path.write_text(json.dumps({"engine": engine, "model": model, "config": config,
                                                 "parallel": par, "error": f"timed out after {a.timeout} s"}))
-        print(f"=== {engine} {model} {config} {par}: {time.time() - t:.0f} s", flush=True)
+        print(f"=== {engine} {model} {config} {par}{where}: {time.time() - t:.0f} s", flush=True)
+
+    # rounds after the first: the same configurations again, each in a fresh engine process, after all of the
+    # previous round (host-bound decode varies by up to ±30% between processes)
+    for rnd in range(a.rounds):
+        jobs = [(rnd, engine, model, config) for engine in a.engines for model in a.models
+                for config in order(engine, rnd) if config in CONFIGS[engine]]
+        run_side_by_side(jobs, slots, job)
     if a.serve:
         results = load_results(out)          # the engine runs' results: each engine's best built-in per model
         for engine in a.engines:
@@ -834,11 +855,46 @@ def run(a) -> int:
                     if config is None:
                         continue
                     res_path = out / f"serve-{engine}-{model}-{config}.json"
-                    res = serve_bench(a, engine, model, config, paths[model][CONFIGS[engine][config][0]], env)
+                    res = serve_bench(a, engine, model, config, paths[model][CONFIGS[engine][config][0]],
+                                      {**env, "CUDA_VISIBLE_DEVICES": ",".join(slots[0])} if slots[0] else env)
                     res["layers"] = checkpoint_layers(paths[model][CONFIGS[engine][config][0]])
                     res_path.write_text(json.dumps(res, indent=1))
     report(out)
     return 0
+
+
+def gpu_slots(gpus: list[str] | None, tp: int) -> list[list[str] | None]:
+    """``--gpus``: the GPU groups engines run on side by side, ``tp`` GPUs each, in the order given;
+    without it one slot that leaves ``CUDA_VISIBLE_DEVICES`` as it is (one engine at a time)."""
+    if not gpus:
+        return [None]
+    if len(set(gpus)) != len(gpus):
+        raise SystemExit(f"bench_e2e: --gpus {' '.join(gpus)}: a GPU named twice")
+    if len(gpus) % tp:
+        raise SystemExit(f"bench_e2e: --gpus: {len(gpus)} GPUs do not split into engines of --tp {tp} GPUs each")
+    return [gpus[i:i + tp] for i in range(0, len(gpus), tp)]
+
+
+def run_side_by_side(jobs: list[tuple], slots: list, job) -> None:
+    """Run ``job(*j, slot)`` for every job, as many at once as there are slots, each slot taking the next job
+    in order when its last one ends; returns when all have ended."""
+    todo = list(jobs)
+    lock = threading.Lock()
+
+    def take():
+        with lock:
+            return todo.pop(0) if todo else None
+
+    def drain(slot):
+        while (j := take()) is not None:
+            job(*j, slot)
+
+    threads = [threading.Thread(target=drain, args=(slot,)) for slot in slots[1:]]
+    for th in threads:
+        th.start()
+    drain(slots[0])
+    for th in threads:
+        th.join()
 
 
 def check_depth(out: Path, moe_layers: int) -> None:
@@ -1118,7 +1174,14 @@ def report(out: Path) -> str:
             pre = r.get("prefill", {}).get("tok_s")
             md.append(f"| {r['config']} | {r.get('run', '')} | {r.get('startup_s', '-')} | " + " | ".join(cells)
                       + (f" | {pre:.0f} |" if pre else " | - |"))
-        md += [""] + [f"- {line}" for line in checks(rows, engine, model)] + [""]
+        md += [""] + [f"- {line}" for line in checks(rows, engine, model)]
+        md += [f"- {r['config']}: {r['incomplete']} (no profiles; its sweep above stands)"
+               for r in rows if r.get("incomplete")]
+        side = sorted({(r["gpus"], r["config"]) for r in rows if r.get("gpus")})
+        if len({g for g, _ in side}) > 1:          # --gpus: engines ran side by side on these GPUs
+            md.append("- side by side, one engine per GPU group (`--gpus`): "
+                      + "; ".join(f"{c} on {g}" for g, c in side))
+        md += [""]
         md += allocator_summary(rows)
         md += prefill_shape_summary(rows)
         md += clock_table(rows)
@@ -1242,6 +1305,11 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, default=8321)
     r.add_argument("--timeout", type=float, default=1200, help="seconds per engine process")
     r.add_argument("--overwrite", action="store_true", help="rerun configurations whose JSON is already in --out")
+    r.add_argument("--gpus", nargs="+", default=None, metavar="ID",
+                   help="run the configurations side by side, one engine process per --tp GPUs of these (e.g. "
+                        "--gpus 0 1: two at a time), each taking the next configuration when its last one ends; "
+                        "each round still starts after the previous one ends; default: one at a time on the "
+                        "visible GPUs")
     r.add_argument("--rounds", type=_positive_int, default=1,
                    help="run every configuration this many times, each in a fresh engine process, round after "
                         "round (each round's order rotated by one place); the report takes the median of the "

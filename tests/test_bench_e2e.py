@@ -4,6 +4,7 @@ themselves need the GPU machine)."""
 import gzip
 import json
 import os
+import threading
 import time
 import types
 
@@ -182,16 +183,21 @@ def test_prompts_are_fresh_and_inside_the_vocabulary(tmp_path):
     assert a != b and all(10 <= t < 64 for row in a + b for t in row) and len(a[0]) == 50
 
 
-def test_run_sweep_reports_the_median_after_a_warmup():
+def test_run_sweep_reports_the_median_after_a_warmup(tmp_path):
     import argparse
     times = iter([2.0, 1.0, 4.0, 2.0,      # batch 1: warm-up, then three runs (256 tokens each)
                   9.0, 1.0, 1.0, 1.0,        # prefill: warm-up + three
                   0.5, 0.02, 0.03, 0.01])    # prefill shape 4x100: warm-up + three
     a = argparse.Namespace(batches=[1], prompt_len=4, gen_len=256, prefill=[2, 8], repeats=3, prefill_repeats=3,
-                           engine="vllm", model="dense", config="ours", prefill_shapes=["4x100"])
-    res = {}
+                           engine="vllm", model="dense", config="ours", prefill_shapes=["4x100"],
+                           out=str(tmp_path / "vllm-dense-ours.json"))
+    res = {"config": "ours"}
     shapes = []
     E.run_sweep(res, lambda n, length, gen: (shapes.append((n, length)), (n * gen, next(times)))[1], a)
+    # the sweep is on disk, marked, before the profiles: an engine that dies there leaves it
+    partial = json.loads((tmp_path / "vllm-dense-ours.json").read_text())
+    assert partial["incomplete"] == "the engine process ended after the sweep" and "incomplete" not in res
+    assert partial["decode"] == res["decode"] and partial["prefill"]["tok_s"] == 16.0
     assert shapes[-4:] == [(4, 100)] * 4
     assert res["prefill_shapes"] == {"4x100": {"ms_per_run": 20.0, "first_ms": 500.0, "tok_s": 20000.0}}
     assert E.prefill_shape_summary([dict(res, config="ours"), {"config": "bf16"}])[2:5] == [
@@ -449,6 +455,66 @@ def test_rounds_run_each_configuration_again_and_report_the_median(tmp_path, mon
     cmds.clear()
     E.main(["run", "--out", str(tmp_path), "--models", "moe", "--configs", "ours", "--overwrite"])
     assert len(cmds) == 1 and not list(tmp_path.glob("vllm-moe-ours.round*.json"))
+
+
+def test_gpus_run_engines_side_by_side_round_after_round(tmp_path, monkeypatch):
+    """--gpus 0 1: two engine processes at a time, each on its own GPU (CUDA_VISIBLE_DEVICES), each GPU taking
+    the next configuration when its last one ends; a round starts after all of the previous one ended."""
+    runs, lock, live = [], threading.Lock(), [0, 0]
+
+    def fake_run(cmd, **kw):
+        with lock:
+            live[0] += 1
+            live[1] = max(live[1], live[0])
+            runs.append(("start", cmd[cmd.index("--out") + 1].rsplit("/", 1)[1], kw["env"].get("CUDA_VISIBLE_DEVICES")))
+        time.sleep(0.15)
+        with lock:
+            live[0] -= 1
+            runs.append(("end", cmd[cmd.index("--out") + 1].rsplit("/", 1)[1], None))
+
+    built = []
+    monkeypatch.setattr(E, "build_models", lambda d, models, *_: built.append(models) or
+                        {m: {"bf16": d / "b", "nvfp4": d / "q"} for m in models})
+    monkeypatch.setattr(E, "plugin_env", lambda: {"PATH": "/bin"})
+    monkeypatch.setattr(E, "report", lambda out: "")
+    monkeypatch.setattr(E.subprocess, "run", fake_run)
+    E.main(["run", "--out", str(tmp_path), "--models", "moe", "--gpus", "0", "1", "--rounds", "2"])
+    starts = [(name, gpu) for what, name, gpu in runs if what == "start"]
+    assert live[1] == 2 and len(starts) == 8 and {g for _, g in starts} == {"0", "1"}
+    assert [n for n, _ in starts[:4]] == ["vllm-moe-bf16.json", "vllm-moe-marlin.json", "vllm-moe-humming.json",
+                                          "vllm-moe-ours.json"]
+    # round 1 (rotated order) starts only after every process of round 0 ended
+    last_end_0 = max(i for i, (what, name, _) in enumerate(runs) if what == "end" and ".round" not in name)
+    first_start_1 = min(i for i, (what, name, _) in enumerate(runs) if what == "start" and ".round1" in name)
+    assert last_end_0 < first_start_1
+    # engines of --tp GPUs each; bad --gpus refused before any model is built
+    runs.clear()
+    live[1] = 0
+    E.main(["run", "--out", str(tmp_path / "tp"), "--models", "moe", "--configs", "ours", "marlin", "--tp", "2",
+            "--gpus", "0", "1", "2", "3"])
+    assert sorted(g for what, _, g in runs if what == "start") == ["0,1", "2,3"] and live[1] == 2
+    built.clear()
+    for bad in (["0", "0"], ["0", "1", "2"]):
+        with pytest.raises(SystemExit, match="--gpus"):
+            E.main(["run", "--out", str(tmp_path / "bad"), "--tp", "2", "--gpus", *bad])
+    assert not built
+    # without --gpus: one at a time, CUDA_VISIBLE_DEVICES left as it is
+    runs.clear()
+    live[1] = 0
+    E.main(["run", "--out", str(tmp_path / "one"), "--models", "moe", "--configs", "ours", "bf16"])
+    assert live[1] == 1 and [g for what, _, g in runs if what == "start"] == [None, None]
+
+
+def test_report_names_incomplete_results_and_gpus_side_by_side(tmp_path):
+    rows = [dict(_result("bf16", {1: 100.0}, 90.0, model="moe"), gpus="0"),
+            dict(_result("ours", {1: 120.0}, 95.0, model="moe"), gpus="1",
+                 incomplete="the engine process ended after the sweep")]
+    for r in rows:
+        (tmp_path / f"vllm-moe-{r['config']}.json").write_text(json.dumps(r))
+    md = E.report(tmp_path)
+    assert "- ours: the engine process ended after the sweep (no profiles; its sweep above stands)" in md
+    assert "- side by side, one engine per GPU group (`--gpus`): bf16 on 0; ours on 1" in md
+    assert "| ours |  | 80.0 | 120 | 95 |" in md
 
 
 def test_tree_cpu_meter_counts_a_busy_child_and_names_it():
