@@ -40,6 +40,10 @@ clients: tokens/s, time to first token and inter-token latency (p50 / p99). vLLM
 worker's torch allocator counters over one extra prefill run (cudaMalloc retries synchronise the device: wall
 time the kernel profile does not show).
 
+After its sweep each configuration records the prompt logprobs of four fixed 64-token prompts (the same ids
+in every process); the report compares ours with the built-ins and bf16 on the same checkpoint, with vLLM's two
+built-in backends' own difference as the tolerance.
+
 With ``--gpus``, engine processes run side by side, one per ``--tp`` GPUs of the list, sharing the host's
 CPUs (each decode run records how busy the machine was outside its engine).
 
@@ -279,6 +283,36 @@ class Prompts:
         return [[self.rng.randrange(10, self.vocab) for _ in range(length)] for _ in range(n)]
 
 
+#: Prompts whose per-token prompt logprobs every configuration records after its sweep: the same token ids in
+#: every process of an engine (their own seed), so ours, the built-ins and bf16 compare position by position on
+#: the same checkpoint (issue 37: served answers stay right)
+LOGPROB_PROMPTS = (4, 64)
+LOGPROB_SEED = 1234
+
+
+def logprob_prompts(vocab: int) -> list[list[int]]:
+    return Prompts(vocab, seed=LOGPROB_SEED)(*LOGPROB_PROMPTS)
+
+
+def vllm_prompt_logprobs(outs, ids: list[list[int]]) -> list[list[float]]:
+    """Each prompt token's logprob from vLLM's outputs of ``prompt_logprobs=0`` (per position a dict that
+    holds the prompt token; the first position None), positions 1.. of each prompt."""
+    return [[e[t].logprob for e, t in zip(o.prompt_logprobs[1:], p[1:])] for o, p in zip(outs, ids)]
+
+
+def sglang_prompt_logprobs(outs, ids: list[list[int]]) -> list[list[float]]:
+    """The same from ``sglang.Engine.generate(..., return_logprob=True, logprob_start_len=0)``: per prompt
+    position (logprob, token id, text), the first position's logprob None; the token ids must be the prompt's."""
+    rows = []
+    for o, p in zip(outs, ids):
+        lp = o["meta_info"]["input_token_logprobs"]
+        if [t[1] for t in lp] != p:
+            raise ValueError(f"SGLang's input_token_logprobs cover tokens {[t[1] for t in lp][:4]}..., "
+                             f"not the prompt's {p[:4]}...")
+        rows.append([t[0] for t in lp[1:]])
+    return rows
+
+
 #: Host API calls that start GPU work: a step inside the engine's CUDA graphs launches graphs, not kernels.
 GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
 KERNEL_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
@@ -438,7 +472,13 @@ def _vllm_worker(a, result: dict) -> None:
         outs = llm.generate(ps, sp, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t
 
-    run_sweep(result, timed, a)
+    def logprobs() -> list[list[float]]:
+        ids = logprob_prompts(vocab)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], sp, use_tqdm=False)
+        return vllm_prompt_logprobs(outs, ids)
+
+    run_sweep(result, timed, a, logprobs)
     try:   # one more prefill run, bracketed by the worker's allocator counters
         before = llm.collective_rpc(_worker_allocator_counters)
         n, dt = timed(a.prefill[0], a.prefill[1], 1)
@@ -509,8 +549,13 @@ def _sglang_worker(a, result: dict) -> None:
         outs = engine.generate(input_ids=ids, sampling_params=sp)
         return sum(o["meta_info"]["completion_tokens"] for o in outs), time.perf_counter() - t
 
+    def logprobs() -> list[list[float]]:
+        ids = logprob_prompts(prompts.vocab)
+        return sglang_prompt_logprobs(engine.generate(input_ids=ids, return_logprob=True, logprob_start_len=0,
+                                                      sampling_params={"max_new_tokens": 1, "temperature": 0.0}), ids)
+
     try:
-        run_sweep(result, timed, a)
+        run_sweep(result, timed, a, logprobs)
         if a.profile_batches:
             _sglang_profiles(engine, a, timed, result)
     finally:
@@ -565,8 +610,10 @@ def host_cpus(cpu) -> dict:
     return out
 
 
-def run_sweep(result: dict, timed, a) -> None:
-    """Decode at each batch size (warm-up run, then the measured run) and prefill, into ``result``."""
+def run_sweep(result: dict, timed, a, logprobs=None) -> None:
+    """Decode at each batch size (warm-up run, then the measured run) and prefill, into ``result``; then the
+    prompt logprobs of :func:`logprob_prompts` (``logprobs()``: one list per prompt, positions 1..), recorded
+    or their error."""
     result["decode"] = {}
     result["repeats"] = a.repeats
     if str(ROOT) not in sys.path:
@@ -610,6 +657,11 @@ def run_sweep(result: dict, timed, a) -> None:
     result["prefill"]["clocks"] = clocks.summary
     if result["prefill_shapes"]:
         print(f"[{a.engine} {a.model} {a.config}] prefill shapes: {result['prefill_shapes']}", flush=True)
+    if logprobs is not None:
+        try:
+            result["prompt_logprobs"] = [[round(float(v), 6) for v in row] for row in logprobs()]
+        except Exception as exc:  # noqa: BLE001 - recorded; the throughput numbers stand
+            result["prompt_logprobs_error"] = f"{type(exc).__name__}: {exc}"
     # the sweep's numbers on disk before what follows (profiles): an engine that dies there (SGLang's scheduler
     # ends its parent with SIGQUIT when it crashes) leaves them, marked, instead of nothing
     Path(a.out).write_text(json.dumps(dict(result, gpu=gpu_name() or "?",
@@ -971,6 +1023,41 @@ def best_builtin(results: list[dict], engine: str, model: str) -> str | None:
     return max(cands, key=lambda r: sum(d["tok_s"] for d in r["decode"].values()))["config"]
 
 
+def logprob_diff(x, y) -> tuple[float, float] | None:
+    """Max and mean |x - y| over two configurations' prompt logprobs, position by position (None when either
+    is missing or they cover different prompts)."""
+    if not x or not y or len(x) != len(y) or any(len(a) != len(b) for a, b in zip(x, y)):
+        return None
+    d = [abs(u - v) for a, b in zip(x, y) for u, v in zip(a, b) if u is not None and v is not None]
+    return (max(d), sum(d) / len(d)) if d else None
+
+
+def logprob_lines(rows: list[dict], engine: str) -> list[str]:
+    """Ours' prompt logprobs against the built-ins' and bf16's on the same checkpoint. Ours and the built-ins
+    are all W4A16 on the same exactly dequantized weights; they differ in accumulation order and where
+    activations round to bf16. With two built-in backends (vLLM: Marlin, Humming) their own difference is the
+    tolerance: ours passes when its mean difference from each is at most 1.5x the built-ins' from each other."""
+    lp = {r["config"]: r["prompt_logprobs"] for r in rows if r.get("prompt_logprobs")}
+    lines = [f"prompt logprobs of {r['config']}: {r['prompt_logprobs_error']}" for r in rows
+             if r.get("prompt_logprobs_error")]
+    ours = lp.get("ours")
+    if not ours:
+        return lines
+    diffs = {c: logprob_diff(ours, lp[c]) for c in (*BUILTIN[engine], "bf16") if c in lp}
+    diffs = {c: d for c, d in diffs.items() if d}
+    if not diffs:
+        return lines
+    line = (f"prompt logprobs ({len(ours)} prompts x {len(ours[0]) + 1} tokens, the same ids in every process), "
+            "max / mean |ours - X|: " + "; ".join(f"{c} {d[0]:.4f} / {d[1]:.4f}" for c, d in diffs.items()))
+    bis = [c for c in BUILTIN[engine] if c in lp and c in diffs]
+    yard = logprob_diff(lp[bis[0]], lp[bis[1]]) if len(bis) >= 2 else None
+    if yard:
+        worst = max(diffs[c][1] for c in bis)
+        line += (f"; {bis[0]} - {bis[1]} {yard[0]:.4f} / {yard[1]:.4f}: ours within 1.5x the built-ins' own mean "
+                 f"difference: {'PASS' if worst <= 1.5 * yard[1] else 'MISS'}")
+    return lines + [line]
+
+
 def checks(results: list[dict], engine: str, model: str) -> list[str]:
     """The end-to-end issue's floors and consistency lines, one verdict each."""
     by = {r["config"]: r for r in results if r.get("engine") == engine and r.get("model") == model and "config" in r}
@@ -1174,7 +1261,7 @@ def report(out: Path) -> str:
             pre = r.get("prefill", {}).get("tok_s")
             md.append(f"| {r['config']} | {r.get('run', '')} | {r.get('startup_s', '-')} | " + " | ".join(cells)
                       + (f" | {pre:.0f} |" if pre else " | - |"))
-        md += [""] + [f"- {line}" for line in checks(rows, engine, model)]
+        md += [""] + [f"- {line}" for line in checks(rows, engine, model) + logprob_lines(rows, engine)]
         md += [f"- {r['config']}: {r['incomplete']} (no profiles; its sweep above stands)"
                for r in rows if r.get("incomplete")]
         side = sorted({(r["gpus"], r["config"]) for r in rows if r.get("gpus")})

@@ -218,6 +218,68 @@ def test_run_sweep_reports_the_median_after_a_warmup(tmp_path):
     assert len(res["decode"]["1"]["runs_tok_s"]) == 1 and len(res["prefill"]["runs_tok_s"]) == 5
 
 
+def test_run_sweep_records_prompt_logprobs_or_their_error(tmp_path):
+    import argparse
+    a = argparse.Namespace(batches=[1], prompt_len=4, gen_len=8, prefill=[2, 8], repeats=1, prefill_repeats=1,
+                           engine="vllm", model="dense", config="ours", prefill_shapes=[],
+                           out=str(tmp_path / "r.json"))
+    res = {}
+    E.run_sweep(res, lambda n, length, gen: (n * gen, 0.5), a, lambda: [[-1.23456789, -2.0], [-3.0, -4.0]])
+    assert res["prompt_logprobs"] == [[-1.234568, -2.0], [-3.0, -4.0]] and "prompt_logprobs_error" not in res
+    assert json.loads((tmp_path / "r.json").read_text())["prompt_logprobs"] == res["prompt_logprobs"]
+
+    def broken():
+        raise RuntimeError("no logprobs")
+    res = {}
+    E.run_sweep(res, lambda n, length, gen: (n * gen, 0.5), a, broken)
+    assert res["prompt_logprobs_error"] == "RuntimeError: no logprobs" and res["decode"]["1"]["tok_s"] == 16.0
+
+
+def test_prompt_logprobs_from_each_engines_outputs():
+    """The same prompt ids in every process; vLLM's per-position dicts and SGLang's (logprob, id, text)
+    tuples read as positions 1.. of each prompt; SGLang's ids must be the prompt's."""
+    ids = E.logprob_prompts(1000)
+    assert ids == E.logprob_prompts(1000) and len(ids) == E.LOGPROB_PROMPTS[0]
+    assert all(len(p) == E.LOGPROB_PROMPTS[1] and all(10 <= t < 1000 for t in p) for p in ids)
+    assert ids != E.Prompts(1000)(*E.LOGPROB_PROMPTS)                 # not the sweep's prompts
+    lp = types.SimpleNamespace
+    outs = [lp(prompt_logprobs=[None] + [{t: lp(logprob=-0.5 * i - j)} for j, t in enumerate(p[1:])])
+            for i, p in enumerate(ids[:2])]
+    assert E.vllm_prompt_logprobs(outs, ids[:2]) == [[-float(j) for j in range(63)],
+                                                     [-0.5 - j for j in range(63)]]
+    sg = [{"meta_info": {"input_token_logprobs": [(None, p[0], None)] + [(-1.0 * j, t, None)
+                                                                         for j, t in enumerate(p[1:])]}}
+          for p in ids[:1]]
+    assert E.sglang_prompt_logprobs(sg, ids[:1]) == [[-1.0 * j for j in range(63)]]
+    with pytest.raises(ValueError, match="not the prompt's"):
+        E.sglang_prompt_logprobs(sg, ids[1:2])
+
+
+def test_logprob_lines_compare_ours_with_the_builtins_own_difference():
+    base = [[-10.0, -11.0, -12.0], [-9.0, -8.0, -7.0]]
+
+    def shifted(d):
+        return [[v + d for v in row] for row in base]
+    rows = [dict(_result("marlin", {1: 1.0}), prompt_logprobs=base),
+            dict(_result("humming", {1: 1.0}), prompt_logprobs=shifted(0.01)),
+            dict(_result("bf16", {1: 1.0}), prompt_logprobs=shifted(0.2)),
+            dict(_result("ours", {1: 1.0}), prompt_logprobs=shifted(0.005))]
+    line = E.logprob_lines(rows, "vllm")[-1]
+    assert line.startswith("prompt logprobs (2 prompts x 4 tokens, the same ids in every process), max / mean "
+                           "|ours - X|: marlin 0.0050 / 0.0050; humming 0.0050 / 0.0050; bf16 0.1950 / 0.1950")
+    assert line.endswith("marlin - humming 0.0100 / 0.0100: ours within 1.5x the built-ins' own mean difference: PASS")
+    rows[3]["prompt_logprobs"] = shifted(-0.02)                       # 0.02 / 0.03 from the built-ins: > 1.5 x 0.01
+    assert E.logprob_lines(rows, "vllm")[-1].endswith(": MISS")
+    # SGLang: one built-in, the numbers without a verdict; other prompts or a missing ours: nothing to compare
+    sg = [dict(r, engine="sglang", config={"marlin": "builtin"}.get(r["config"], r["config"])) for r in rows
+          if r["config"] != "humming"]
+    assert E.logprob_lines(sg, "sglang")[-1].endswith("builtin 0.0200 / 0.0200; bf16 0.2200 / 0.2200")
+    rows[0]["prompt_logprobs"] = base[:1]
+    assert "marlin" not in E.logprob_lines(rows, "vllm")[-1]
+    rows[1]["prompt_logprobs_error"] = "ValueError: x"
+    assert E.logprob_lines(rows[:3], "vllm") == ["prompt logprobs of humming: ValueError: x"]
+
+
 def test_checks_give_no_verdict_without_a_comparison():
     # a run of ours alone (no built-in, no bf16) has nothing to pass against: no "bf16 0 (0.00x): PASS"
     lines = E.checks([_result("ours", {1: 300, 8: 2000})], "vllm", "dense")
@@ -481,8 +543,9 @@ def test_gpus_run_engines_side_by_side_round_after_round(tmp_path, monkeypatch):
     E.main(["run", "--out", str(tmp_path), "--models", "moe", "--gpus", "0", "1", "--rounds", "2"])
     starts = [(name, gpu) for what, name, gpu in runs if what == "start"]
     assert live[1] == 2 and len(starts) == 8 and {g for _, g in starts} == {"0", "1"}
-    assert [n for n, _ in starts[:4]] == ["vllm-moe-bf16.json", "vllm-moe-marlin.json", "vllm-moe-humming.json",
-                                          "vllm-moe-ours.json"]
+    # taken in the round's order: the first two at once, the next two as those end
+    assert {n for n, _ in starts[:2]} == {"vllm-moe-bf16.json", "vllm-moe-marlin.json"}
+    assert {n for n, _ in starts[2:4]} == {"vllm-moe-humming.json", "vllm-moe-ours.json"}
     # round 1 (rotated order) starts only after every process of round 0 ended
     last_end_0 = max(i for i, (what, name, _) in enumerate(runs) if what == "end" and ".round" not in name)
     first_start_1 = min(i for i, (what, name, _) in enumerate(runs) if what == "start" and ".round1" in name)
