@@ -240,7 +240,7 @@ def test_prompt_logprobs_from_each_engines_outputs():
     tuples read as positions 1.. of each prompt; SGLang's ids must be the prompt's."""
     ids = E.logprob_prompts(1000)
     assert ids == E.logprob_prompts(1000) and len(ids) == E.LOGPROB_PROMPTS[0]
-    assert all(len(p) == E.LOGPROB_PROMPTS[1] and all(10 <= t < 1000 for t in p) for p in ids)
+    assert all(len(p) == E.LOGPROB_PROMPTS[1] and all(10 <= t < 999 for t in p) for p in ids)   # < vocab - 1
     assert ids != E.Prompts(1000)(*E.LOGPROB_PROMPTS)                 # not the sweep's prompts
     lp = types.SimpleNamespace
     outs = [lp(prompt_logprobs=[None] + [{t: lp(logprob=-0.5 * i - j)} for j, t in enumerate(p[1:])])
@@ -258,22 +258,40 @@ def test_prompt_logprobs_from_each_engines_outputs():
 def test_logprob_lines_compare_ours_with_the_builtins_own_difference():
     base = [[-10.0, -11.0, -12.0], [-9.0, -8.0, -7.0]]
 
-    def shifted(d):
-        return [[v + d for v in row] for row in base]
+    def moved(*d):            # per position (row-major) offsets from base
+        it = iter(d)
+        return [[v + next(it) for v in row] for row in base]
+    humming = moved(0.02, 0.0, 0.0, 0.01, 0.0, 0.0)              # from marlin: max 0.02, mean 0.005
     rows = [dict(_result("marlin", {1: 1.0}), prompt_logprobs=base),
-            dict(_result("humming", {1: 1.0}), prompt_logprobs=shifted(0.01)),
-            dict(_result("bf16", {1: 1.0}), prompt_logprobs=shifted(0.2)),
-            dict(_result("ours", {1: 1.0}), prompt_logprobs=shifted(0.005))]
+            dict(_result("humming", {1: 1.0}), prompt_logprobs=humming),
+            dict(_result("bf16", {1: 1.0}), prompt_logprobs=moved(*[0.2] * 6)),
+            dict(_result("ours", {1: 1.0}), prompt_logprobs=moved(0.0, 0.012, 0.0, 0.0, 0.0, 0.0))]
     line = E.logprob_lines(rows, "vllm")[-1]
     assert line.startswith("prompt logprobs (2 prompts x 4 tokens, the same ids in every process), max / mean "
-                           "|ours - X|: marlin 0.0050 / 0.0050; humming 0.0050 / 0.0050; bf16 0.1950 / 0.1950")
-    assert line.endswith("marlin - humming 0.0100 / 0.0100: ours within 1.5x the built-ins' own mean difference: PASS")
-    rows[3]["prompt_logprobs"] = shifted(-0.02)                       # 0.02 / 0.03 from the built-ins: > 1.5 x 0.01
+                           "|ours - X|: marlin 0.0120 / 0.0020; humming 0.0200 / 0.0070; bf16 0.2000 / 0.1980")
+    # tolerance 1.5x marlin - humming: max 0.03, mean 0.0075 (worst of ours: 0.02 / 0.007)
+    assert line.endswith("marlin - humming 0.0200 / 0.0050: ours within 1.5x the built-ins' own difference "
+                         "(max and mean): PASS")
+    rows[3]["prompt_logprobs"] = moved(0.0, 0.031, 0.0, 0.0, 0.0, 0.0)     # one position past 1.5 x max
     assert E.logprob_lines(rows, "vllm")[-1].endswith(": MISS")
+    rows[3]["prompt_logprobs"] = moved(*[0.0085] * 6)                     # the mean past 1.5 x 0.005 from marlin
+    assert E.logprob_lines(rows, "vllm")[-1].endswith(": MISS")
+    rows[3]["prompt_logprobs"] = moved(*[0.007] * 6)                      # from humming 0.013 / 0.0057: inside
+    assert E.logprob_lines(rows, "vllm")[-1].endswith(": PASS")
+    # built-ins that agree exactly: the floor (0.01 / 0.001) is the tolerance, not zero
+    rows[1]["prompt_logprobs"] = base
+    rows[3]["prompt_logprobs"] = moved(0.0005, 0.0, 0.0, 0.0, 0.0, 0.0)
+    assert E.logprob_lines(rows, "vllm")[-1].endswith(": PASS")
+    rows[3]["prompt_logprobs"] = moved(0.011, 0.0, 0.0, 0.0, 0.0, 0.0)
+    assert E.logprob_lines(rows, "vllm")[-1].endswith(": MISS")
+    # positions without a value (None) are left out, not compared
+    rows[3]["prompt_logprobs"] = [[None, -11.0, -12.0], [-9.0, -8.0, -7.0]]
+    assert "marlin 0.0000 / 0.0000" in E.logprob_lines(rows, "vllm")[-1]
     # SGLang: one built-in, the numbers without a verdict; other prompts or a missing ours: nothing to compare
+    rows[3]["prompt_logprobs"] = moved(*[0.02] * 6)
     sg = [dict(r, engine="sglang", config={"marlin": "builtin"}.get(r["config"], r["config"])) for r in rows
           if r["config"] != "humming"]
-    assert E.logprob_lines(sg, "sglang")[-1].endswith("builtin 0.0200 / 0.0200; bf16 0.2200 / 0.2200")
+    assert E.logprob_lines(sg, "sglang")[-1].endswith("builtin 0.0200 / 0.0200; bf16 0.1800 / 0.1800")
     rows[0]["prompt_logprobs"] = base[:1]
     assert "marlin" not in E.logprob_lines(rows, "vllm")[-1]
     rows[1]["prompt_logprobs_error"] = "ValueError: x"
@@ -522,18 +540,22 @@ def test_rounds_run_each_configuration_again_and_report_the_median(tmp_path, mon
 def test_gpus_run_engines_side_by_side_round_after_round(tmp_path, monkeypatch):
     """--gpus 0 1: two engine processes at a time, each on its own GPU (CUDA_VISIBLE_DEVICES), each GPU taking
     the next configuration when its last one ends; a round starts after all of the previous one ended."""
-    runs, lock, live = [], threading.Lock(), [0, 0]
+    runs, lock = [], threading.Lock()
+    together = threading.Barrier(2, timeout=20)      # the first two engines must be running at the same time
 
     def fake_run(cmd, **kw):
+        name = cmd[cmd.index("--out") + 1].rsplit("/", 1)[1]
+        side = cmd[cmd.index("--side-by-side") + 1] if "--side-by-side" in cmd else None
         with lock:
-            live[0] += 1
-            live[1] = max(live[1], live[0])
-            runs.append(("start", cmd[cmd.index("--out") + 1].rsplit("/", 1)[1], kw["env"].get("CUDA_VISIBLE_DEVICES")))
-        time.sleep(0.15)
+            runs.append(("start", name, kw["env"].get("CUDA_VISIBLE_DEVICES"), side))
+            first_two = len(runs) <= 2
+        if first_two:
+            together.wait()
+        time.sleep(0.05)
         with lock:
-            live[0] -= 1
-            runs.append(("end", cmd[cmd.index("--out") + 1].rsplit("/", 1)[1], None))
+            runs.append(("end", name, None, None))
 
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     built = []
     monkeypatch.setattr(E, "build_models", lambda d, models, *_: built.append(models) or
                         {m: {"bf16": d / "b", "nvfp4": d / "q"} for m in models})
@@ -541,31 +563,84 @@ def test_gpus_run_engines_side_by_side_round_after_round(tmp_path, monkeypatch):
     monkeypatch.setattr(E, "report", lambda out: "")
     monkeypatch.setattr(E.subprocess, "run", fake_run)
     E.main(["run", "--out", str(tmp_path), "--models", "moe", "--gpus", "0", "1", "--rounds", "2"])
-    starts = [(name, gpu) for what, name, gpu in runs if what == "start"]
-    assert live[1] == 2 and len(starts) == 8 and {g for _, g in starts} == {"0", "1"}
+    starts = [(name, gpu, side) for what, name, gpu, side in runs if what == "start"]
+    assert len(starts) == 8 and {g for _, g, _ in starts} == {"0", "1"}
+    assert all(side == gpu for _, gpu, side in starts)                  # the worker is told where it ran
     # taken in the round's order: the first two at once, the next two as those end
-    assert {n for n, _ in starts[:2]} == {"vllm-moe-bf16.json", "vllm-moe-marlin.json"}
-    assert {n for n, _ in starts[2:4]} == {"vllm-moe-humming.json", "vllm-moe-ours.json"}
+    assert {n for n, _, _ in starts[:2]} == {"vllm-moe-bf16.json", "vllm-moe-marlin.json"}
+    assert {n for n, _, _ in starts[2:4]} == {"vllm-moe-humming.json", "vllm-moe-ours.json"}
     # round 1 (rotated order) starts only after every process of round 0 ended
-    last_end_0 = max(i for i, (what, name, _) in enumerate(runs) if what == "end" and ".round" not in name)
-    first_start_1 = min(i for i, (what, name, _) in enumerate(runs) if what == "start" and ".round1" in name)
+    last_end_0 = max(i for i, (what, name, _, _) in enumerate(runs) if what == "end" and ".round" not in name)
+    first_start_1 = min(i for i, (what, name, _, _) in enumerate(runs) if what == "start" and ".round1" in name)
     assert last_end_0 < first_start_1
-    # engines of --tp GPUs each; bad --gpus refused before any model is built
+    # engines of --tp GPUs each, numbered within this process's CUDA_VISIBLE_DEVICES; a name given twice once
     runs.clear()
-    live[1] = 0
-    E.main(["run", "--out", str(tmp_path / "tp"), "--models", "moe", "--configs", "ours", "marlin", "--tp", "2",
-            "--gpus", "0", "1", "2", "3"])
-    assert sorted(g for what, _, g in runs if what == "start") == ["0,1", "2,3"] and live[1] == 2
+    together.reset()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    E.main(["run", "--out", str(tmp_path / "tp"), "--models", "moe", "--configs", "ours", "marlin", "ours",
+            "--tp", "2", "--gpus", "0", "1", "2", "3"])
+    assert sorted(g for what, _, g, _ in runs if what == "start") == ["4,5", "6,7"]
+    # bad --gpus refused before any model is built
     built.clear()
-    for bad in (["0", "0"], ["0", "1", "2"]):
+    for bad, tp in ((["0", "0"], "1"), (["0", "1", "2"], "2"), (["4"], "1"), (["x"], "1")):
         with pytest.raises(SystemExit, match="--gpus"):
-            E.main(["run", "--out", str(tmp_path / "bad"), "--tp", "2", "--gpus", *bad])
+            E.main(["run", "--out", str(tmp_path / "bad"), "--tp", tp, "--gpus", *bad])
     assert not built
-    # without --gpus: one at a time, CUDA_VISIBLE_DEVICES left as it is
+    # without --gpus: one at a time, CUDA_VISIBLE_DEVICES left as it is, the worker not told of a neighbour
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     runs.clear()
-    live[1] = 0
+    monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: runs.append(
+        ("start", "", kw["env"].get("CUDA_VISIBLE_DEVICES"), "--side-by-side" in cmd)))
     E.main(["run", "--out", str(tmp_path / "one"), "--models", "moe", "--configs", "ours", "bf16"])
-    assert live[1] == 1 and [g for what, _, g in runs if what == "start"] == [None, None]
+    assert [(g, side) for _, _, g, side in runs] == [(None, False), (None, False)]
+
+
+def test_side_by_side_stops_at_the_first_error_and_raises_it():
+    """An engine job that raises in any slot: no slot takes another job, the running ones end, the error is
+    raised (a lost configuration must not pass for a finished run)."""
+    done, lock = [], threading.Lock()
+
+    def job(i, slot):
+        if i == 1:
+            raise RuntimeError("worker could not start")
+        time.sleep(0.2 if i == 0 else 0.0)
+        with lock:
+            done.append((i, slot))
+
+    with pytest.raises(RuntimeError, match="could not start"):
+        E.run_side_by_side([(i,) for i in range(6)], ["a", "b"], job)
+    assert [i for i, _ in done] == [0]        # job 0 ended; jobs 2-5 never started
+    done.clear()
+    E.run_side_by_side([(i,) for i in (0, 2, 3)], ["a", "b"], job)
+    assert sorted(i for i, _ in done) == [0, 2, 3]
+    done.clear()
+    E.run_side_by_side([(i,) for i in (2, 3)], [None], job)
+    assert done == [(2, None), (3, None)]
+
+
+def test_a_timed_out_worker_keeps_its_sweep_and_an_unfinished_result_runs_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(E, "build_models", lambda d, models, *_: {m: {"bf16": d / "b", "nvfp4": d / "q"}
+                                                                   for m in models})
+    monkeypatch.setattr(E, "plugin_env", lambda: {})
+    monkeypatch.setattr(E, "report", lambda out: "")
+    partial = dict(_result("ours", {1: 500.0}, 240.0, model="moe"), incomplete="the engine process ended after the sweep")
+
+    def hangs_after_the_sweep(cmd, **kw):
+        Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps(partial))
+        raise E.subprocess.TimeoutExpired(cmd, 1)
+
+    from pathlib import Path
+    monkeypatch.setattr(E.subprocess, "run", hangs_after_the_sweep)
+    E.main(["run", "--out", str(tmp_path), "--models", "moe", "--configs", "ours", "bf16"])
+    ours = json.loads((tmp_path / "vllm-moe-ours.json").read_text())
+    assert ours["decode"]["1"]["tok_s"] == 500.0 and ours["error"].startswith("timed out after")
+    assert ours["incomplete"]
+    # a run without --overwrite runs the unfinished configurations again, not the finished ones
+    (tmp_path / "vllm-moe-bf16.json").write_text(json.dumps(_result("bf16", {1: 400.0}, 230.0, model="moe")))
+    cmds = []
+    monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: cmds.append(cmd[cmd.index("--config") + 1]))
+    E.main(["run", "--out", str(tmp_path), "--models", "moe", "--configs", "ours", "bf16"])
+    assert cmds == ["ours"]
 
 
 def test_report_names_incomplete_results_and_gpus_side_by_side(tmp_path):
@@ -576,8 +651,14 @@ def test_report_names_incomplete_results_and_gpus_side_by_side(tmp_path):
         (tmp_path / f"vllm-moe-{r['config']}.json").write_text(json.dumps(r))
     md = E.report(tmp_path)
     assert "- ours: the engine process ended after the sweep (no profiles; its sweep above stands)" in md
-    assert "- side by side, one engine per GPU group (`--gpus`): bf16 on 0; ours on 1" in md
+    assert "- side by side, one engine per GPU group (`--gpus`): bf16 on 0; ours on 1 (the engines shared" in md
     assert "| ours |  | 80.0 | 120 | 95 |" in md
+    # one GPU: no side-by-side line, no incomplete line for a finished result
+    rows[1].update(gpus="0")
+    del rows[1]["incomplete"]
+    (tmp_path / "vllm-moe-ours.json").write_text(json.dumps(rows[1]))
+    md = E.report(tmp_path)
+    assert "side by side" not in md and "no profiles" not in md
 
 
 def test_tree_cpu_meter_counts_a_busy_child_and_names_it():
