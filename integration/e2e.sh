@@ -4,7 +4,9 @@
 # Usage: bash integration/e2e.sh ENGINE STEP...     ENGINE: vllm | sglang
 #   Environment: SITE (default /tmp/site) = the unpacked bundle; M (default /tmp/models) = checkpoints;
 #   R (default /tmp/e2e-ENGINE) = results; PORT (default 8123) and MEMFRAC (GPU memory share per server,
-#   default 0.5) let two e2e.sh runs share one GPU (e.g. PORT=8200 MEMFRAC=0.3 for both).
+#   default 0.5) let two e2e.sh runs share one GPU (e.g. PORT=8200 MEMFRAC=0.3 for both); VARIANTS (default:
+#   all) = the servers llama / moe / smol start, by the name after the model's, e.g. VARIANTS="ours-modelopt
+#   builtin-modelopt" for ours against the built-in alone (each server takes 1-3 minutes).
 # Steps:
 #   models      make-model Llama and Qwen3-MoE (tiny) and quantize each to ModelOpt and compressed-tensors
 #   smollm2     quantize the real SmolLM2-135M (bf16 folder in $M/smollm2-bf16) to both formats (or carry
@@ -66,13 +68,17 @@ quantize_both() {  # name (outputs already there, e.g. carried in, are kept)
     python3 -m nvfp4_plugin.cli quantize "$M/$1-bf16" "$M/$1-$fmt" --format "$fmt" --device cuda || status=1
   done
 }
+wanted() {  # variant: in $VARIANTS, or VARIANTS unset
+  [ -z "${VARIANTS:-}" ] || [[ " $VARIANTS " == *" $1 "* ]]
+}
 serve_all() {  # name [with-bf16]
-  serve "$1-ours-modelopt" "$M/$1-modelopt" --quantization nvfp4
-  serve "$1-ours-ct" "$M/$1-compressed-tensors" --quantization nvfp4
-  NVFP4_PLUGIN_LINEAR_BACKEND=reference NVFP4_PLUGIN_MOE_BACKEND=reference \
+  wanted ours-modelopt && serve "$1-ours-modelopt" "$M/$1-modelopt" --quantization nvfp4
+  wanted ours-ct && serve "$1-ours-ct" "$M/$1-compressed-tensors" --quantization nvfp4
+  wanted ours-modelopt-reference && NVFP4_PLUGIN_LINEAR_BACKEND=reference NVFP4_PLUGIN_MOE_BACKEND=reference \
     serve "$1-ours-modelopt-reference" "$M/$1-modelopt" --quantization nvfp4
-  serve "$1-builtin-modelopt" "$M/$1-modelopt"
-  [ -n "${2:-}" ] && serve "$1-bf16" "$M/$1-bf16"
+  wanted builtin-modelopt && serve "$1-builtin-modelopt" "$M/$1-modelopt"
+  [ -n "${2:-}" ] && wanted bf16 && serve "$1-bf16" "$M/$1-bf16"
+  return 0
 }
 expect_fail() {  # name model text
   echo "=== $ENGINE corrupt $1"
