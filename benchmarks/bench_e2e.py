@@ -481,7 +481,7 @@ def _vllm_worker(a, result: dict) -> None:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], sp, use_tqdm=False)
         return vllm_prompt_logprobs(outs, ids)
 
-    run_sweep(result, timed, a, logprobs)
+    run_sweep(result, timed, a, logprobs, lambda: llm.collective_rpc(_worker_allocator_counters)[0])
     try:   # one more prefill run, bracketed by the worker's allocator counters
         before = llm.collective_rpc(_worker_allocator_counters)
         n, dt = timed(a.prefill[0], a.prefill[1], 1)
@@ -613,18 +613,23 @@ def host_cpus(cpu) -> dict:
     return out
 
 
-def run_sweep(result: dict, timed, a, logprobs=None) -> None:
+def run_sweep(result: dict, timed, a, logprobs=None, counters=None) -> None:
     """Decode at each batch size (warm-up run, then the measured run) and prefill, into ``result``; then the
     prompt logprobs of :func:`logprob_prompts` (``logprobs()``: one list per prompt, positions 1..), recorded
-    or their error."""
+    or their error. ``counters()`` (vLLM: the worker's allocator counters) is read around each batch's first
+    run but the sweep's first (the engine's first request): the counters that moved are recorded
+    (``first_allocs``), the device allocations a slow first run made."""
     result["decode"] = {}
     result["repeats"] = a.repeats
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     from benchmarks.common import GpuClockSampler, TreeCpuMeter
 
-    for b in a.batches:
+    for i, b in enumerate(a.batches):
+        # (not around the engine's first request: a call into the engine before it would take part of its cost)
+        before = _read_counters(counters if i else None)
         first = timed(b, a.prompt_len, a.gen_len)
+        allocs = moved_counters(before, _read_counters(counters if i else None))
         with TreeCpuMeter() as cpu:
             runs = [timed(b, a.prompt_len, a.gen_len) for _ in range(a.repeats)]
         rates = [n / dt for n, dt in runs]
@@ -638,6 +643,8 @@ def run_sweep(result: dict, timed, a, logprobs=None) -> None:
                                     "wall_ms_per_step": round(1e3 * cpu.wall_s / steps, 3),
                                     # CPUs busy on average: the engine's tree, the whole machine, stolen
                                     "host_cpus": host_cpus(cpu)}
+        if allocs:
+            result["decode"][str(b)]["first_allocs"] = allocs
         print(f"[{a.engine} {a.model} {a.config}] batch {b}: {result['decode'][str(b)]}", flush=True)
     n, length = a.prefill
     # prefill is power-bound: the clock it ran at is part of the result (sampled over the prefill runs and the
@@ -669,6 +676,20 @@ def run_sweep(result: dict, timed, a, logprobs=None) -> None:
         except Exception as exc:  # noqa: BLE001 - recorded; the throughput numbers stand
             result["prompt_logprobs_error"] = f"{type(exc).__name__}: {exc}"
         save_partial(result, a.out)
+
+
+def _read_counters(counters) -> dict | None:
+    try:
+        return counters() if counters else None
+    except Exception:  # noqa: BLE001 - a diagnostic, never fatal
+        return None
+
+
+def moved_counters(before: dict | None, after: dict | None) -> dict:
+    """The allocator counters (:data:`ALLOCATOR_COUNTERS`) that changed between two reads."""
+    if not before or not after:
+        return {}
+    return {k: after.get(k, 0) - before.get(k, 0) for k in ALLOCATOR_COUNTERS if after.get(k, 0) != before.get(k, 0)}
 
 
 def save_partial(result: dict, out: str) -> None:
@@ -1141,9 +1162,14 @@ def checks(results: list[dict], engine: str, model: str) -> list[str]:
     def first_ratios(b):   # the same first-run ratio of every configuration: what the engine itself costs
         return ", ".join(f"{c} {d['first_tok_s'] / second(d):.2f}" for c, r in sorted(by.items())
                          if (d := (r.get("decode") or {}).get(str(b))) and second(d))
+    def allocs(b):         # device allocations during a slow first run, per configuration (vLLM)
+        moved = [f"{c} " + ", ".join(f"{k} {v}" for k, v in d["first_allocs"].items()) for c, r in sorted(by.items())
+                 if (d := (r.get("decode") or {}).get(str(b))) and d.get("first_allocs")]
+        return f"; allocator counters that moved in the first run: {'; '.join(moved)}" if moved else ""
+
     lines.append("first run of each shape within 5% of the second: "
                  + ("PASS" if not slow_first else "MISS at batch " + "; ".join(
-                     f"{b} (first / measured: {first_ratios(b)})" for b in slow_first)))
+                     f"{b} (first / measured: {first_ratios(b)}{allocs(b)})" for b in slow_first)))
     if engine == "vllm":
         lines.append(f"start method: {ours.get('start_method', '?')}")
     # the engine's host loop at the smallest batches, where steps wait on it (per round where there are rounds)

@@ -235,6 +235,39 @@ def test_run_sweep_records_prompt_logprobs_or_their_error(tmp_path):
     assert res["prompt_logprobs_error"] == "RuntimeError: no logprobs" and res["decode"]["1"]["tok_s"] == 16.0
 
 
+def test_run_sweep_records_what_the_allocator_did_in_each_first_run(tmp_path):
+    """vLLM's worker counters read around each batch's first run (not the engine's first request): the ones
+    that moved are recorded, and the report names them beside a slow first run."""
+    import argparse
+    a = argparse.Namespace(batches=[1, 8, 64], prompt_len=4, gen_len=8, prefill=[2, 8], repeats=1,
+                           prefill_repeats=1, engine="vllm", model="moe", config="ours", prefill_shapes=[],
+                           out=str(tmp_path / "r.json"))
+    state = {"num_device_alloc": 10, "num_alloc_retries": 0, "num_device_free": 0, "num_sync_all_streams": 0,
+             "num_ooms": 0}
+    reads = []
+
+    def timed(n, length, gen):
+        if n == 64 and not reads[-1][1]:      # the first run at batch 64 allocates twice
+            state["num_device_alloc"] += 2
+            reads[-1][1] = True
+        return n * gen, 0.5
+
+    def counters():
+        reads.append([dict(state), False])
+        return dict(state)
+    res = {}
+    E.run_sweep(res, timed, a, None, counters)
+    assert len(reads) == 4                          # around batch 8's and batch 64's first runs only
+    assert "first_allocs" not in res["decode"]["1"] and "first_allocs" not in res["decode"]["8"]
+    assert res["decode"]["64"]["first_allocs"] == {"num_device_alloc": 2}
+    E.run_sweep({}, timed, a, None, lambda: 1 / 0)   # a counter that fails is left out, the sweep goes on
+    slow = _result("ours", {1: 100.0, 64: 1000.0}, 90.0, model="moe", first={64: 900.0})
+    slow["decode"]["64"]["first_allocs"] = {"num_device_alloc": 2}
+    line = [ln for ln in E.checks([slow], "vllm", "moe") if ln.startswith("first run")][0]
+    assert line.endswith("MISS at batch 64 (first / measured: ours 0.90; allocator counters that moved in the "
+                         "first run: ours num_device_alloc 2)")
+
+
 def test_prompt_logprobs_from_each_engines_outputs():
     """The same prompt ids in every process; vLLM's per-position dicts and SGLang's (logprob, id, text)
     tuples read as positions 1.. of each prompt; SGLang's ids must be the prompt's."""
