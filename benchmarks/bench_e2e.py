@@ -627,9 +627,10 @@ def run_sweep(result: dict, timed, a, logprobs=None, counters=None) -> None:
 
     for i, b in enumerate(a.batches):
         # (not around the engine's first request: a call into the engine before it would take part of its cost)
-        before = _read_counters(counters if i else None)
+        read = counters if i else None
+        before = _read_counters(read)
         first = timed(b, a.prompt_len, a.gen_len)
-        allocs = moved_counters(before, _read_counters(counters if i else None))
+        allocs = moved_counters(before, _read_counters(read))
         with TreeCpuMeter() as cpu:
             runs = [timed(b, a.prompt_len, a.gen_len) for _ in range(a.repeats)]
         rates = [n / dt for n, dt in runs]
@@ -689,7 +690,7 @@ def moved_counters(before: dict | None, after: dict | None) -> dict:
     """The allocator counters (:data:`ALLOCATOR_COUNTERS`) that changed between two reads."""
     if not before or not after:
         return {}
-    return {k: after.get(k, 0) - before.get(k, 0) for k in ALLOCATOR_COUNTERS if after.get(k, 0) != before.get(k, 0)}
+    return {k: v for k, v in allocator_delta([before], [after]).items() if k in ALLOCATOR_COUNTERS and v}
 
 
 def save_partial(result: dict, out: str) -> None:
@@ -1015,10 +1016,7 @@ def check_depth(out: Path, moe_layers: int) -> None:
     """Refuse a ``--moe-layers`` other than the one of the MoE results already in ``out`` (one depth per
     folder: the result files do not name it, and a finished configuration is not run again)."""
     for f in sorted(out.glob("*moe*.json")):
-        try:
-            r = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
+        r = read_json(f)
         if r.get("model") == "moe" and (r.get("layers") or MOE_LAYERS) != moe_layers:
             raise SystemExit(f"bench_e2e: --moe-layers {moe_layers}, but {f.name} in --out {out} holds MoE results at "
                              f"{r.get('layers') or MOE_LAYERS} layers: one depth per --out folder, use another")
