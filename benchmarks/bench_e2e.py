@@ -21,7 +21,9 @@ its own process, started as a user starts it (``vllm.LLM`` with vLLM's default s
     both, only when named in --configs: ours-triton-launch (ours with NVFP4_PLUGIN_FAST_LAUNCH=0: every
             kernel launch through Triton's launch path, the A/B of the plugin's direct launches)
 
-Each measures decode throughput at every batch size of ``--batches`` (``--prompt-len`` prompt tokens,
+Each first answers the engine process's first request (one 16-token prompt, one generated token, twice:
+what the engine pays once per process, recorded apart from the shapes' first runs), then measures decode
+throughput at every batch size of ``--batches`` (``--prompt-len`` prompt tokens,
 ``--gen-len`` generated tokens with ``ignore_eos``; output tokens per second of wall time, prefill included),
 with fresh random prompts each run: a warm-up run (recorded: the first request of a shape must be as fast as
 later ones), then ``--repeats`` runs whose median is the number (all recorded: a small model's decode step is
@@ -92,6 +94,8 @@ BUILTIN = {"vllm": ("marlin", "humming"), "sglang": ("builtin",)}
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 #: further prefill shapes (prompts x tokens): one chunk of 16384 tokens, half of one, four; ms per run of each
 PREFILL_SHAPES = ("16x1024", "8x1024", "64x1024")
+#: the prompt of the engine's first request (:func:`engine_first_request`): a length no sweep shape uses
+ENGINE_FIRST_PROMPT = 16
 
 
 def default_configs(engine: str) -> list[str]:
@@ -613,24 +617,35 @@ def host_cpus(cpu) -> dict:
     return out
 
 
+def engine_first_request(timed) -> dict:
+    """The engine process's first request, twice: one ``ENGINE_FIRST_PROMPT``-token prompt generating one token
+    (a prefill step, no decode step). What the engine pays once per process at its first request (its own lazy
+    compiles and allocations: SGLang's Triton kernels load at their first use in every process, bf16 too) is the
+    first time less the second; kept apart, the first run of each batch size after it measures what the issue's
+    check is about, a shape's first use (batch 1's first decode step included)."""
+    first = timed(1, ENGINE_FIRST_PROMPT, 1)[1]
+    again = timed(1, ENGINE_FIRST_PROMPT, 1)[1]
+    return {"prompt_len": ENGINE_FIRST_PROMPT, "first_s": round(first, 4), "again_s": round(again, 4)}
+
+
 def run_sweep(result: dict, timed, a, logprobs=None, counters=None) -> None:
-    """Decode at each batch size (warm-up run, then the measured run) and prefill, into ``result``; then the
-    prompt logprobs of :func:`logprob_prompts` (``logprobs()``: one list per prompt, positions 1..), recorded
-    or their error. ``counters()`` (vLLM: the worker's allocator counters) is read around each batch's first
-    run but the sweep's first (the engine's first request): the counters that moved are recorded
+    """The engine's first request (:func:`engine_first_request`), decode at each batch size (warm-up run, then
+    the measured runs) and prefill, into ``result``; then the prompt logprobs of :func:`logprob_prompts`
+    (``logprobs()``: one list per prompt, positions 1..), recorded or their error. ``counters()`` (vLLM: the
+    worker's allocator counters) is read around each batch's first run: the counters that moved are recorded
     (``first_allocs``), the device allocations a slow first run made."""
+    result["engine_first_request"] = engine_first_request(timed)
+    print(f"[{a.engine} {a.model} {a.config}] engine's first request: {result['engine_first_request']}", flush=True)
     result["decode"] = {}
     result["repeats"] = a.repeats
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     from benchmarks.common import GpuClockSampler, TreeCpuMeter
 
-    for i, b in enumerate(a.batches):
-        # (not around the engine's first request: a call into the engine before it would take part of its cost)
-        read = counters if i else None
-        before = _read_counters(read)
+    for b in a.batches:
+        before = _read_counters(counters)
         first = timed(b, a.prompt_len, a.gen_len)
-        allocs = moved_counters(before, _read_counters(read))
+        allocs = moved_counters(before, _read_counters(counters))
         with TreeCpuMeter() as cpu:
             runs = [timed(b, a.prompt_len, a.gen_len) for _ in range(a.repeats)]
         rates = [n / dt for n, dt in runs]
@@ -1168,6 +1183,11 @@ def checks(results: list[dict], engine: str, model: str) -> list[str]:
     lines.append("first run of each shape within 5% of the second: "
                  + ("PASS" if not slow_first else "MISS at batch " + "; ".join(
                      f"{b} (first / measured: {first_ratios(b)}{allocs(b)})" for b in slow_first)))
+    cells = [f"{c} {e['first_s']:.2f} / {e['again_s']:.2f}" for c, r in sorted(by.items())
+             if (e := r.get("engine_first_request"))]
+    if cells:   # what every configuration's engine pays once per process, before the shapes' first runs
+        lines.append(f"the engine's first request (one {ENGINE_FIRST_PROMPT}-token prompt, one token), s, first / "
+                     "again: " + ", ".join(cells))
     if engine == "vllm":
         lines.append(f"start method: {ours.get('start_method', '?')}")
     # the engine's host loop at the smallest batches, where steps wait on it (per round where there are rounds)

@@ -42,6 +42,11 @@ def test_checks_pass_and_miss():
     lines = E.checks(rs, "vllm", "moe")
     assert "floor 1.0x): MISS" in lines[2] and lines[3].endswith("MISS at 1->2")
     assert E.checks([], "vllm", "moe") == ["ours: no result (not run)"]
+    # the engine's first request of every configuration that recorded one, beside the shapes' first runs
+    rs[0]["engine_first_request"] = {"prompt_len": 16, "first_s": 2.5, "again_s": 0.04}
+    rs[1]["engine_first_request"] = {"prompt_len": 16, "first_s": 0.61, "again_s": 0.031}
+    assert E.checks(rs, "vllm", "moe")[5] == ("the engine's first request (one 16-token prompt, one token), s, "
+                                              "first / again: bf16 2.50 / 0.04, ours 0.61 / 0.03")
     # a built-in that never served (SGLang's Marlin JIT inside the start-up timeout) is named, not counted as 0
     rs = [_result("bf16", {1: 200}, 40000, engine="sglang"), _result("ours", {1: 300}, 39000, engine="sglang"),
           {"engine": "sglang", "model": "dense", "config": "builtin", "error": "timed out after 420.0 s"}]
@@ -185,7 +190,8 @@ def test_prompts_are_fresh_and_inside_the_vocabulary(tmp_path):
 
 def test_run_sweep_reports_the_median_after_a_warmup(tmp_path):
     import argparse
-    times = iter([2.0, 1.0, 4.0, 2.0,      # batch 1: warm-up, then three runs (256 tokens each)
+    times = iter([3.0, 0.25,               # the engine's first request, then the same again
+                  2.0, 1.0, 4.0, 2.0,      # batch 1: warm-up, then three runs (256 tokens each)
                   9.0, 1.0, 1.0, 1.0,        # prefill: warm-up + three
                   0.5, 0.02, 0.03, 0.01])    # prefill shape 4x100: warm-up + three
     a = argparse.Namespace(batches=[1], prompt_len=4, gen_len=256, prefill=[2, 8], repeats=3, prefill_repeats=3,
@@ -199,6 +205,8 @@ def test_run_sweep_reports_the_median_after_a_warmup(tmp_path):
     assert partial["incomplete"] == "the engine process ended after the sweep" and "incomplete" not in res
     assert partial["decode"] == res["decode"] and partial["prefill"]["tok_s"] == 16.0
     assert shapes[-4:] == [(4, 100)] * 4
+    assert shapes[:2] == [(1, E.ENGINE_FIRST_PROMPT)] * 2 and E.ENGINE_FIRST_PROMPT not in (4, 8, 100)
+    assert res["engine_first_request"] == {"prompt_len": E.ENGINE_FIRST_PROMPT, "first_s": 3.0, "again_s": 0.25}
     assert res["prefill_shapes"] == {"4x100": {"ms_per_run": 20.0, "first_ms": 500.0, "tok_s": 20000.0}}
     assert E.prefill_shape_summary([dict(res, config="ours"), {"config": "bf16"}])[2:5] == [
         "| config | 4x100 |", "|---|---:|", "| ours | 20.0 (500.0) |"]
@@ -212,9 +220,9 @@ def test_run_sweep_reports_the_median_after_a_warmup(tmp_path):
     # prefill runs counted apart from decode runs: one decode run, five prefill runs of each shape
     a.repeats, a.prefill_repeats = 1, 5
     shapes.clear()
-    times = iter([2.0, 1.0] + [1.0] * 6 + [0.01] * 6)
+    times = iter([1.0, 1.0, 2.0, 1.0] + [1.0] * 6 + [0.01] * 6)
     E.run_sweep(res, lambda n, length, gen: (shapes.append((n, length)), (n * gen, next(times)))[1], a)
-    assert shapes == [(1, 4)] * 2 + [(2, 8)] * 6 + [(4, 100)] * 6
+    assert shapes == [(1, E.ENGINE_FIRST_PROMPT)] * 2 + [(1, 4)] * 2 + [(2, 8)] * 6 + [(4, 100)] * 6
     assert len(res["decode"]["1"]["runs_tok_s"]) == 1 and len(res["prefill"]["runs_tok_s"]) == 5
 
 
@@ -236,8 +244,8 @@ def test_run_sweep_records_prompt_logprobs_or_their_error(tmp_path):
 
 
 def test_run_sweep_records_what_the_allocator_did_in_each_first_run(tmp_path):
-    """vLLM's worker counters read around each batch's first run (not the engine's first request): the ones
-    that moved are recorded, and the report names them beside a slow first run."""
+    """vLLM's worker counters read around each batch's first run (not the engine's first request, which comes
+    before): the ones that moved are recorded, and the report names them beside a slow first run."""
     import argparse
     a = argparse.Namespace(batches=[1, 8, 64], prompt_len=4, gen_len=8, prefill=[2, 8], repeats=1,
                            prefill_repeats=1, engine="vllm", model="moe", config="ours", prefill_shapes=[],
@@ -257,7 +265,7 @@ def test_run_sweep_records_what_the_allocator_did_in_each_first_run(tmp_path):
         return dict(state)
     res = {}
     E.run_sweep(res, timed, a, None, counters)
-    assert len(reads) == 4                          # around batch 8's and batch 64's first runs only
+    assert len(reads) == 6                          # around each batch's first run
     assert "first_allocs" not in res["decode"]["1"] and "first_allocs" not in res["decode"]["8"]
     assert res["decode"]["64"]["first_allocs"] == {"num_device_alloc": 2}
     E.run_sweep({}, timed, a, None, lambda: 1 / 0)   # a counter that fails is left out, the sweep goes on
