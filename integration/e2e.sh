@@ -27,7 +27,8 @@
 #   cachecheck  serve one checkpoint with the default backend, then with the reference backend
 #   corrupt     a checkpoint with a missing scale tensor and one with an inf global scale must fail cleanly
 #   ref         CPU reference (integration/reference_logprobs.py: transformers fp32 on the dequantized
-#               weights) of every ModelOpt checkpoint and bf16 model in $M
+#               weights) of every ModelOpt checkpoint and bf16 model in $M, and of each ModelOpt checkpoint
+#               in bf16 (the bf16 floor: how far bf16 arithmetic alone moves the logprobs)
 #   compare     the logprob table of everything in $R (integration/compare_logprobs.py -> $R/compare.md)
 # Results (one JSON per server, logs) are packed into $OUT/$(basename $R).tgz (e2e-ENGINE.tgz). $R accumulates over calls
 # of one hold (steps can be split across device calls); a later run of a step overwrites its files.
@@ -157,6 +158,8 @@ for s in "$@"; do
       for name in llama qwen3_moe smollm2; do
         [ -d "$M/$name-modelopt" ] && { python3 integration/reference_logprobs.py --model "$M/$name-modelopt" \
           --out "$R/$name-ref.json" > "$R/$name-ref.summary" 2>&1 || status=1; tail -c 400 "$R/$name-ref.summary"; }
+        [ -d "$M/$name-modelopt" ] && { python3 integration/reference_logprobs.py --model "$M/$name-modelopt" \
+          --dtype bfloat16 --out "$R/$name-ref-bf16.json" > "$R/$name-ref-bf16.summary" 2>&1 || status=1; }
         [ -d "$M/$name-bf16" ] && { python3 integration/reference_logprobs.py --model "$M/$name-bf16" \
           --out "$R/$name-bf16-ref.json" > "$R/$name-bf16-ref.summary" 2>&1 || status=1; }
       done ;;

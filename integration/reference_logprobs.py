@@ -6,7 +6,10 @@ transformers in fp32 on the exactly dequantized weights (``nvfp4-plugin dequanti
 
 Writes ``prompt_logprobs`` (per prompt token after the first, of serve_check.LOGPROB_PROMPT) and the
 greedy ``completion`` of serve_check.PROMPT (16 tokens), the keys serve_check.py records, so
-compare_logprobs.py can line them up. This is what the served W4A16 paths compute, without the
+compare_logprobs.py can line them up; with the completion, for each generated token, the length of the text
+decoded up to it (``completion_offsets``) and how far its logprob was ahead of the runner-up's
+(``completion_margins``, nats): where a served completion leaves the reference's, the margin there says
+whether the reference itself was at a near tie. This is what the served W4A16 paths compute, without the
 engines' bf16 activations: the reference for "ours equals our CPU reference layers". ``--dtype bfloat16``
 runs the same model in bf16, which shows how far bf16 compute alone moves the logprobs.
 """
@@ -49,10 +52,18 @@ def reference(model_dir: str, threads: int | None = None, dtype: str = "float32"
             logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
             prompt_logprobs = logp[:-1].gather(1, ids[0, 1:, None])[:, 0].tolist()
             p = tok(PROMPT, return_tensors="pt").input_ids
-            out = model.generate(p, max_new_tokens=16, do_sample=False, attention_mask=torch.ones_like(p))
-            completion = tok.decode(out[0, p.shape[1]:], skip_special_tokens=True)
+            out = model.generate(p, max_new_tokens=16, do_sample=False, attention_mask=torch.ones_like(p),
+                                 output_scores=True, return_dict_in_generate=True)
+            gen = out.sequences[0, p.shape[1]:]
+            completion = tok.decode(gen, skip_special_tokens=True)
+            offsets = [len(tok.decode(gen[: i + 1], skip_special_tokens=True)) for i in range(len(gen))]
+            margins = []
+            for scores in out.scores:   # the scores greedy decoding picked from, one row per generated token
+                top = torch.log_softmax(scores[0].float(), dim=-1).topk(2).values
+                margins.append(round(float(top[0] - top[1]), 6))
     return {"engine": f"reference (transformers {dtype}, dequantized weights)", "model": model_dir, "dtype": dtype,
-            "quantized": quantized, "prompt_logprobs": prompt_logprobs, "completion": completion}
+            "quantized": quantized, "prompt_logprobs": prompt_logprobs, "completion": completion,
+            "completion_offsets": offsets, "completion_margins": margins}
 
 
 def main() -> int:
@@ -65,7 +76,8 @@ def main() -> int:
     args = ap.parse_args()
     res = reference(args.model, args.threads, args.dtype)
     Path(args.out).write_text(json.dumps(res, indent=1))
-    print(json.dumps({k: v for k, v in res.items() if k != "prompt_logprobs"}, indent=1))
+    print(json.dumps({k: v for k, v in res.items()
+                      if k not in ("prompt_logprobs", "completion_offsets", "completion_margins")}, indent=1))
     return 0
 
 

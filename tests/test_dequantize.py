@@ -161,8 +161,27 @@ def test_reference_logprobs_and_comparison(checkpoints, tmp_path):
             for line in out.splitlines()[2:]}
     assert rows["ours-modelopt"][3] == "0.0000 / 0.0000"
     assert rows["ours-modelopt"][4].startswith("0.5000 / ")
-    assert rows["ours-modelopt"][5] == "yes" and rows["builtin-modelopt"][5] == "no"
+    assert rows["ours-modelopt"][5] == "n/a"          # no bf16 run of the reference: no floor
+    assert rows["ours-modelopt"][6] == "yes"
+    # the built-in leaves the reference's text at its first character: the reference's first token, its margin
+    assert a["completion_margins"] and len(a["completion_margins"]) == len(a["completion_offsets"])
+    assert all(m >= 0 for m in a["completion_margins"]) and a["completion_offsets"][-1] == len(a["completion"])
+    assert rows["builtin-modelopt"][6] == f"no: token 1, reference margin {a['completion_margins'][0]:.4f}"
     assert rows["builtin-modelopt"][3].startswith("0.5000") and rows["builtin-modelopt"][4] == "n/a"
+    assert rows["builtin-modelopt"][5] == "n/a"
+    # the bf16 floor (the reference run in bf16) decides "within": 0.5 is outside a floor of 0.25, inside 0.75
+    for shift, verdict in ((0.25, "no"), (0.75, "yes")):
+        lp = list(a["prompt_logprobs"])
+        lp[0] += shift
+        (ref / "llama-ref-bf16.json").write_text(json.dumps(dict(a, prompt_logprobs=lp)))
+        (ref / "llama-ours-modelopt.json").write_text(json.dumps(dict(served, prompt_logprobs=off)))
+        (ref / "llama-builtin-modelopt.json").write_text(json.dumps(served))
+        out = subprocess.run([sys.executable, str(ROOT / "integration/compare_logprobs.py"), str(ref)], check=True,
+                             capture_output=True, text=True).stdout
+        cells = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines()[2:]]
+        ours = next(c for c in cells if c[2] == "ours-modelopt")
+        mean = shift / len(lp)
+        assert ours[5] == f"{verdict} ({shift:.4f} / {mean:.4f})", ours
 
 
 def test_compare_tp_gates_greedy_text(tmp_path):
