@@ -5,12 +5,14 @@
     python -m benchmarks.bench_e2e run --out DIR --engines vllm --models dense --configs ours marlin
     python -m benchmarks.bench_e2e run --out DIR --models moe --configs ours marlin --tp 2 --ep   # expert parallel
     python -m benchmarks.bench_e2e run --out DIR --models moe --gpus 0 1     # two engines at a time, one per GPU
+    python -m benchmarks.bench_e2e run --out DIR --engines vllm sglang --site vllm=/tmp/site \
+        --site sglang=/tmp/site_sg --gpus 0 1 2 3 --serve                    # everything, four engines at a time
     python -m benchmarks.bench_e2e report DIR                    # table + plot from DIR's JSON results
     python -m benchmarks.bench_e2e prebuild-sglang-jit           # SGLang's nvcc JIT kernels, ahead of `run`
     nvfp4-plugin bench e2e --out DIR ...                         # the same as `run`
 
 On the GPU machine, with the vLLM bundle (and, for `--engines sglang`, the SGLang bundle) on
-``PYTHONPATH``. `run` builds two random-weight checkpoints with ``nvfp4-plugin make-model`` (the
+``PYTHONPATH``, or each named with ``--site``. `run` builds two random-weight checkpoints with ``nvfp4-plugin make-model`` (the
 Llama-3-8B shape, "dense"; the Qwen3-30B-A3B shape with 12 layers, "moe", or ``--moe-layers N`` of its 48)
 and quantizes each with our quantizer (calibrated ModelOpt NVFP4). Then every engine configuration runs in
 its own process, started as a user starts it (``vllm.LLM`` with vLLM's default start method, ``sglang.Engine``):
@@ -47,7 +49,11 @@ in every process); the report compares ours with the built-ins on the same check
 backends' own difference as the tolerance) and with bf16.
 
 With ``--gpus``, engine processes run side by side, one per ``--tp`` GPUs of the list, sharing the host's
-CPUs (each decode run records how busy the machine was outside its engine).
+CPUs (each decode run records how busy the machine was outside its engine); the ``--serve`` servers too, after
+every configuration's sweep, each on its slot's GPU and port (``--port`` + the slot's place). With ``--site
+ENGINE=DIR`` for each engine, one run takes both: each engine's processes get their own bundle first on
+``PYTHONPATH`` and never the other's, and SGLang's JIT prebuild runs in SGLang's environment while vLLM's
+configurations run (SGLang's wait for it).
 
 Results: one JSON per configuration in DIR, ``e2e.md`` (tables, ratios, the floors of the
 end-to-end issue) and ``e2e.png`` (tokens/s against batch size).
@@ -265,6 +271,53 @@ def plugin_env() -> dict:
                        capture_output=True)
         env["PYTHONPATH"] = os.pathsep.join([str(ep_dir), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env
+
+
+def engine_env(env: dict, engine: str, sites: dict[str, str]) -> dict:
+    """``env`` for one engine's processes: its ``--site`` folder first on PYTHONPATH (its ``bin`` first on PATH)
+    and every other engine's ``--site`` taken off both, so each engine imports only its own bundle."""
+    if not sites:
+        return env
+    others = {os.path.realpath(d) for e, d in sites.items() if e != engine}
+
+    def keep(entries: str, under_other) -> list[str]:
+        return [x for x in entries.split(os.pathsep) if x and not under_other(os.path.realpath(x))]
+
+    py = keep(env.get("PYTHONPATH", ""), lambda x: x in others)
+    path = keep(env.get("PATH", ""), lambda x: os.path.dirname(x) in others)
+    own = sites.get(engine)
+
+    def first(entries: list[str], x: str) -> list[str]:
+        return [x] + [y for y in entries if os.path.realpath(y) != os.path.realpath(x)]
+
+    if own:
+        py = first(py, own)
+        if Path(own, "bin").is_dir():
+            path = first(path, str(Path(own, "bin")))
+    return {**env, "PYTHONPATH": os.pathsep.join(py), "PATH": os.pathsep.join(path)}
+
+
+def start_sglang_prebuild(env: dict, out: Path, marlin: bool) -> threading.Event:
+    """SGLang's JIT prebuild (``prebuild-sglang-jit``) in a process of SGLang's environment, in the background:
+    the returned event is set when it has ended (built or not: an engine then builds what is missing itself).
+    vLLM's configurations run meanwhile; SGLang's wait for it."""
+    done = threading.Event()
+    cmd = [sys.executable, "-m", "benchmarks.bench_e2e", "prebuild-sglang-jit"] + ([] if marlin else ["--no-marlin"])
+
+    def build():
+        t = time.time()
+        try:
+            with open(out / "prebuild-sglang-jit.log", "w") as log:
+                rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+            print(f"=== sglang jit prebuild: exit {rc} after {time.time() - t:.0f} s (prebuild-sglang-jit.log)",
+                  flush=True)
+        except Exception as exc:  # noqa: BLE001 - the engines then build what they miss themselves
+            print(f"=== sglang jit prebuild: {type(exc).__name__}: {exc}", flush=True)
+        finally:
+            done.set()
+
+    threading.Thread(target=build, daemon=True).start()
+    return done
 
 
 # ------------------------------------------------------------------------------------------------
@@ -738,6 +791,15 @@ def _shape_arg(shape: str) -> str:
     return shape
 
 
+def _site_arg(text: str) -> tuple[str, str]:
+    engine, sep, path = text.partition("=")
+    if not sep or engine not in CONFIGS or not path:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ENGINE=DIR with ENGINE one of {', '.join(CONFIGS)}")
+    if not Path(path).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {path} is not a folder")
+    return engine, path
+
+
 def _positive_int(text: str) -> int:
     v = int(text)
     if v < 1:
@@ -830,20 +892,21 @@ def first_request(r: dict) -> dict:
             "tokens": r["tokens"]}
 
 
-def serve_bench(a, engine: str, model: str, config: str, model_path: Path, env: dict) -> dict:
+def serve_bench(a, engine: str, model: str, config: str, model_path: Path, env: dict, port: int | None = None) -> dict:
     sys.path.insert(0, str(ROOT / "integration"))
     from serve_check import healthy, server_command, stop_server
 
     _, quant, extra = CONFIGS[engine][config]
+    port = a.port if port is None else port
     args = [x for k, v in extra.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-    cmd = server_command(engine, str(model_path), a.port, quant, args, a.mem_fraction, a.max_model_len)
+    cmd = server_command(engine, str(model_path), port, quant, args, a.mem_fraction, a.max_model_len)
     res = {"engine": engine, "model": model, "config": config, "cmd": cmd, "concurrency": {}}
     log = open(Path(a.out) / f"serve-{engine}-{model}-{config}.log", "w")
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=config_env(env, config),
                             start_new_session=True)
     try:
-        while not healthy(a.port):
+        while not healthy(port):
             if proc.poll() is not None or time.time() - t0 > a.timeout:
                 res["error"] = f"server not healthy (exit {proc.poll()}) after {time.time() - t0:.0f} s"
                 return res
@@ -852,7 +915,7 @@ def serve_bench(a, engine: str, model: str, config: str, model_path: Path, env: 
         prompts = Prompts(tokenizer_vocab(model_path), seed=1)
         # what a user's first request meets once the server says it is ready (set against the requests of
         # concurrency 1's measured phase: the same shape)
-        res["first_request"] = first_request(stream_completion(a.port, prompts(1, a.prompt_len)[0], a.gen_len))
+        res["first_request"] = first_request(stream_completion(port, prompts(1, a.prompt_len)[0], a.gen_len))
         for c in a.concurrency:
             for phase in ("warmup", "measure"):
                 jobs = [prompts(1, a.prompt_len)[0] for _ in range(c * a.requests_per_client)]
@@ -860,7 +923,7 @@ def serve_bench(a, engine: str, model: str, config: str, model_path: Path, env: 
 
                 def client(i):
                     for p in jobs[i::c]:
-                        r = stream_completion(a.port, p, a.gen_len)
+                        r = stream_completion(port, p, a.gen_len)
                         with lock:
                             out.append(r)
 
@@ -891,6 +954,9 @@ def run(a) -> int:
     if a.serve and a.tp > 1:
         raise SystemExit("bench_e2e: --serve runs on one GPU; drop --serve or --tp")
     slots = gpu_slots(a.gpus, a.tp, os.environ.get("CUDA_VISIBLE_DEVICES"))   # bad --gpus: refused first
+    sites = dict(a.site)
+    if len(sites) < len(a.site):
+        raise SystemExit("bench_e2e: --site: an engine named twice")
     for shape in a.prefill_shapes:   # each prompt plus its one generated token must fit the context
         if parse_shape(shape)[1] >= a.max_model_len:
             raise SystemExit(f"bench_e2e: --prefill-shapes {shape}: prompts must be shorter than --max-model-len "
@@ -900,10 +966,14 @@ def run(a) -> int:
     served = set(a.serve_models or []) if a.serve else set()
     paths = build_models(Path(a.model_dir), sorted(set(a.models) | served), a.moe_layers)
     env = plugin_env()
+    envs = {engine: engine_env(env, engine, sites) for engine in a.engines}
     par = parallel_tag(a.tp, a.ep)
     suffix = "" if par == "tp1" else f"-{par}"
-    if "sglang" in a.engines:
-        prebuild_sglang_jit(marlin="builtin" in (a.configs or default_configs("sglang")))
+    prebuilt = threading.Event()
+    if "sglang" in a.engines:      # on the CPU, while the other engine's configurations run
+        prebuilt = start_sglang_prebuild(envs["sglang"], out, "builtin" in (a.configs or default_configs("sglang")))
+    else:
+        prebuilt.set()
 
     def order(engine: str, rnd: int) -> list[str]:
         """The configurations of a round, rotated by one place each round: a machine whose host slows for a
@@ -934,9 +1004,11 @@ def run(a) -> int:
         if len(slots) > 1:
             cmd += ["--side-by-side", ",".join(slot)]
         where = (f" round {rnd}" if rnd else "") + (f" on GPU {','.join(slot)}" if slot else "")
+        if engine == "sglang":
+            prebuilt.wait()
         print(f"=== {engine} {model} {config} {par}{where}", flush=True)
         t = time.time()
-        penv = config_env(env, config)
+        penv = config_env(envs[engine], config)
         if slot:
             penv = {**penv, "CUDA_VISIBLE_DEVICES": ",".join(slot)}
         with open(out / f"{engine}-{model}-{config}{tag}.log", "w") as log:
@@ -958,17 +1030,18 @@ def run(a) -> int:
         run_side_by_side(jobs, slots, job)
     if a.serve:
         results = load_results(out)          # the engine runs' results: each engine's best built-in per model
-        for engine in a.engines:
-            for model in a.serve_models or a.models:
-                best = best_builtin(results, engine, model)
-                for config in ("ours", best):
-                    if config is None:
-                        continue
-                    res_path = out / f"serve-{engine}-{model}-{config}.json"
-                    res = serve_bench(a, engine, model, config, paths[model][CONFIGS[engine][config][0]],
-                                      {**env, "CUDA_VISIBLE_DEVICES": ",".join(slots[0])} if slots[0] else env)
-                    res["layers"] = checkpoint_layers(paths[model][CONFIGS[engine][config][0]])
-                    res_path.write_text(json.dumps(res, indent=1))
+
+        def serve_job(engine: str, model: str, config: str, slot: list[str] | None) -> None:
+            # side by side like the engine runs, each server on its slot's GPU and its own port
+            path = paths[model][CONFIGS[engine][config][0]]
+            senv = {**envs[engine], "CUDA_VISIBLE_DEVICES": ",".join(slot)} if slot else envs[engine]
+            res = serve_bench(a, engine, model, config, path, senv, port=a.port + slots.index(slot))
+            res["layers"] = checkpoint_layers(path)
+            (out / f"serve-{engine}-{model}-{config}.json").write_text(json.dumps(res, indent=1))
+
+        run_side_by_side([(engine, model, config) for engine in a.engines for model in a.serve_models or a.models
+                          for config in ("ours", best_builtin(results, engine, model)) if config is not None],
+                         slots, serve_job)
     report(out)
     return 0
 
@@ -1487,6 +1560,10 @@ def parser() -> argparse.ArgumentParser:
                         "--gpus 0 1: two at a time), each taking the next configuration when its last one ends; "
                         "each round still starts after the previous one ends; default: one at a time on the "
                         "visible GPUs")
+    r.add_argument("--site", action="append", default=[], metavar="ENGINE=DIR", type=_site_arg,
+                   help="an engine's bundle (its unpacked site-packages folder): that engine's processes get DIR "
+                        "first on PYTHONPATH (DIR/bin first on PATH) and no other engine's --site, so one run "
+                        "takes both engines (e.g. --site vllm=/tmp/site --site sglang=/tmp/site_sg)")
     r.add_argument("--rounds", type=_positive_int, default=1,
                    help="run every configuration this many times, each in a fresh engine process, round after "
                         "round (each round's order rotated by one place); the report takes the median of the "
@@ -1508,8 +1585,10 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--model-dir", default="/tmp/e2e-models")
     m.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     m.add_argument("--moe-layers", type=_positive_int, default=MOE_LAYERS, help=MOE_LAYERS_HELP)
-    sub.add_parser("prebuild-sglang-jit", help="build SGLang's nvcc JIT kernels (its built-in NVFP4 on Hopper's Marlin, "
-                   "the first request's position clamp) into the cache the engine processes use; `run` does it too")
+    pb = sub.add_parser("prebuild-sglang-jit", help="build SGLang's nvcc JIT kernels (its built-in NVFP4 on Hopper's "
+                        "Marlin, the first request's position clamp) into the cache the engine processes use; `run` "
+                        "does it too")
+    pb.add_argument("--no-marlin", action="store_true", help="only the modules every configuration needs")
     p = sub.add_parser("report", help="tables and plot from a results folder")
     p.add_argument("out")
     return ap
@@ -1526,7 +1605,7 @@ def main(argv=None) -> int:
         report(Path(a.out))
         return 0
     if a.cmd == "prebuild-sglang-jit":
-        return 0 if all("ready" in line for line in prebuild_sglang_jit()) else 1
+        return 0 if all("ready" in line for line in prebuild_sglang_jit(marlin=not a.no_marlin)) else 1
     return run(a)
 
 

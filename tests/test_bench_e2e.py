@@ -144,9 +144,11 @@ def test_serve_runs_each_engines_server_with_its_context_flag(tmp_path, monkeypa
                                                                    for m in models})
     monkeypatch.setattr(E, "plugin_env", lambda: {})
     monkeypatch.setattr(E, "report", lambda out: "")
-    monkeypatch.setattr(E, "prebuild_sglang_jit", lambda marlin=True: [])
+    prebuilt = threading.Event()
+    prebuilt.set()
+    monkeypatch.setattr(E, "start_sglang_prebuild", lambda env, out, marlin: prebuilt)
     monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: None)
-    monkeypatch.setattr(E, "serve_bench", lambda a, engine, model, config, path, env:
+    monkeypatch.setattr(E, "serve_bench", lambda a, engine, model, config, path, env, port=None:
                         served.append((engine, model, config, path.name)) or {"engine": engine, "config": config})
     (tmp_path / "sglang-moe-builtin.json").write_text(json.dumps(_result("builtin", {1: 600}, engine="sglang",
                                                                          model="moe")))
@@ -921,9 +923,98 @@ def test_served_models_are_built_too(tmp_path, monkeypatch):
     monkeypatch.setattr(E, "plugin_env", lambda: {})
     monkeypatch.setattr(E, "report", lambda out: "")
     monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: None)
-    monkeypatch.setattr(E, "serve_bench", lambda a, engine, model, config, path, env: {"engine": engine,
-                                                                                      "model": model})
+    monkeypatch.setattr(E, "serve_bench", lambda a, engine, model, config, path, env, port=None: {"engine": engine,
+                                                                                                "model": model})
     E.main(["run", "--out", str(tmp_path / "a"), "--models", "dense", "--configs", "ours", "--serve",
             "--serve-models", "moe", "--moe-layers", "20"])
     E.main(["run", "--out", str(tmp_path / "b"), "--models", "dense", "--configs", "ours", "--serve-models", "moe"])
     assert built == [(["dense", "moe"], 20), (["dense"], 12)]
+
+
+def test_engine_env_puts_each_engines_site_first_and_the_others_off(tmp_path):
+    vsite, ssite = tmp_path / "site", tmp_path / "site_sg"
+    for d in (vsite / "bin", ssite / "bin"):
+        d.mkdir(parents=True)
+    env = {"PYTHONPATH": os.pathsep.join([str(vsite), "/ep", "/repo"]),
+           "PATH": os.pathsep.join([str(vsite / "bin"), "/usr/bin"]), "X": "1"}
+    sites = {"vllm": str(vsite), "sglang": str(ssite)}
+    sg = E.engine_env(env, "sglang", sites)
+    assert sg["PYTHONPATH"].split(os.pathsep) == [str(ssite), "/ep", "/repo"]
+    assert sg["PATH"].split(os.pathsep) == [str(ssite / "bin"), "/usr/bin"] and sg["X"] == "1"
+    vl = E.engine_env(env, "vllm", sites)
+    assert vl["PYTHONPATH"].split(os.pathsep) == [str(vsite), "/ep", "/repo"]     # its own once, first
+    assert vl["PATH"].split(os.pathsep) == [str(vsite / "bin"), "/usr/bin"]
+    assert E.engine_env(env, "vllm", {}) is env                                   # no --site: as it was
+    with pytest.raises(SystemExit):
+        E.parser().parse_args(["run", "--out", "o", "--site", f"tgi={vsite}"])
+    with pytest.raises(SystemExit):
+        E.parser().parse_args(["run", "--out", "o", "--site", f"vllm={tmp_path / 'missing'}"])
+    with pytest.raises(SystemExit, match="an engine named twice"):
+        E.main(["run", "--out", str(tmp_path / "o"), "--site", f"vllm={vsite}", "--site", f"vllm={ssite}"])
+
+
+def test_one_run_takes_both_engines_side_by_side_and_serves_side_by_side(tmp_path, monkeypatch):
+    """--engines vllm sglang --site ... --gpus 0 1 2 3 --serve: each engine's processes import only its own
+    bundle; SGLang's JIT prebuild runs in SGLang's environment while vLLM's configurations run, and SGLang's
+    wait for it; the servers run side by side too, each on its slot's GPU and its own port."""
+    vsite, ssite = tmp_path / "site", tmp_path / "site_sg"
+    vsite.mkdir()
+    ssite.mkdir()
+    events, lock = [], threading.Lock()
+    tok = {"marlin": 100.0, "humming": 120.0, "builtin": 90.0, "ours": 130.0, "bf16": 80.0}
+
+    def fake_run(cmd, **kw):
+        py = kw["env"]["PYTHONPATH"].split(os.pathsep)[0]
+        if "prebuild-sglang-jit" in cmd:
+            with lock:
+                events.append(("prebuild start", py, None))
+            time.sleep(0.3)
+            with lock:
+                events.append(("prebuild end", py, None))
+            return types.SimpleNamespace(returncode=0)
+        out = cmd[cmd.index("--out") + 1]
+        engine, config = cmd[cmd.index("--engine") + 1], cmd[cmd.index("--config") + 1]
+        with lock:
+            events.append(("start", f"{engine}-{config}", py))
+        time.sleep(0.05)
+        with open(out, "w") as f:
+            json.dump(_result(config, {1: tok[config]}, engine=engine, model="dense"), f)
+
+    served = []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(vsite))
+    monkeypatch.setattr(E, "build_models", lambda d, models, *_: {m: {"bf16": d / "b", "nvfp4": d / "q"}
+                                                                   for m in models})
+    monkeypatch.setattr(E, "plugin_env", lambda: dict(os.environ))
+    monkeypatch.setattr(E, "report", lambda out: "")
+    monkeypatch.setattr(E.subprocess, "run", fake_run)
+    monkeypatch.setattr(E, "checkpoint_layers", lambda path: None)
+
+    def fake_serve(a, engine, model, config, path, env, port=None):
+        with lock:
+            served.append((engine, config, env["CUDA_VISIBLE_DEVICES"], port, env["PYTHONPATH"].split(os.pathsep)[0]))
+        time.sleep(0.05)
+        return {"engine": engine, "model": model, "config": config}
+
+    monkeypatch.setattr(E, "serve_bench", fake_serve)
+    E.main(["run", "--out", str(tmp_path / "o"), "--engines", "vllm", "sglang", "--models", "dense",
+            "--site", f"vllm={vsite}", "--site", f"sglang={ssite}", "--gpus", "0", "1", "2", "3", "--serve",
+            "--port", "9000"])
+    starts = [(name, py) for what, name, py in events if what == "start"]
+    assert sorted(n for n, _ in starts) == sorted(["vllm-bf16", "vllm-marlin", "vllm-humming", "vllm-ours",
+                                                   "sglang-bf16", "sglang-builtin", "sglang-ours"])
+    assert all(py == str(vsite if n.startswith("vllm") else ssite) for n, py in starts)
+    assert ("prebuild start", str(ssite), None) in events
+    end = events.index(("prebuild end", str(ssite), None))
+    first_sglang = min(i for i, e in enumerate(events) if e[0] == "start" and e[1].startswith("sglang"))
+    first_vllm = min(i for i, e in enumerate(events) if e[0] == "start" and e[1].startswith("vllm"))
+    assert first_vllm < end < first_sglang
+    # servers: ours and each engine's best built-in, one per slot at once, port = --port + the slot's place
+    assert sorted((e, c) for e, c, *_ in served) == [("sglang", "builtin"), ("sglang", "ours"), ("vllm", "humming"),
+                                                     ("vllm", "ours")]
+    assert sorted((gpu, port) for _, _, gpu, port, _ in served) == [("0", 9000), ("1", 9001), ("2", 9002),
+                                                                     ("3", 9003)]
+    assert all(py == str(vsite if e == "vllm" else ssite) for e, _, _, _, py in served)
+    assert sorted(p.name for p in (tmp_path / "o").glob("serve-*.json")) == [
+        "serve-sglang-dense-builtin.json", "serve-sglang-dense-ours.json", "serve-vllm-dense-humming.json",
+        "serve-vllm-dense-ours.json"]
