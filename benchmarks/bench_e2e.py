@@ -49,8 +49,9 @@ in every process); the report compares ours with the built-ins on the same check
 backends' own difference as the tolerance) and with bf16.
 
 With ``--gpus``, engine processes run side by side, one per ``--tp`` GPUs of the list, sharing the host's
-CPUs (each decode run records how busy the machine was outside its engine); the ``--serve`` servers too, after
-every configuration's sweep, each on its slot's GPU and port (``--port`` + the slot's place). With ``--site
+CPUs (each decode run records how busy the machine was outside its engine); the ``--serve`` servers too, each
+engine's once its own sweeps have ended (beside the other engine's), each on its slot's GPU and port (``--port``
++ the slot's place). With ``--site
 ENGINE=DIR`` for each engine, one run takes both: each engine's processes get their own bundle first on
 ``PYTHONPATH`` and never the other's, and SGLang's JIT prebuild runs in SGLang's environment while vLLM's
 configurations run (SGLang's wait for it).
@@ -954,6 +955,9 @@ def run(a) -> int:
     if a.serve and a.tp > 1:
         raise SystemExit("bench_e2e: --serve runs on one GPU; drop --serve or --tp")
     slots = gpu_slots(a.gpus, a.tp, os.environ.get("CUDA_VISIBLE_DEVICES"))   # bad --gpus: refused first
+    bad = sorted(set(a.serve_engines or []) - set(a.engines))
+    if bad:
+        raise SystemExit(f"bench_e2e: --serve-engines {' '.join(bad)}: not among --engines {' '.join(a.engines)}")
     sites = dict(a.site)
     if len(sites) < len(a.site):
         raise SystemExit("bench_e2e: --site: an engine named twice")
@@ -1022,26 +1026,54 @@ def run(a) -> int:
                 res_path.write_text(json.dumps(dict(res, error=f"timed out after {a.timeout} s"), indent=1))
         print(f"=== {engine} {model} {config} {par}{where}: {time.time() - t:.0f} s", flush=True)
 
+    serve_engines = (a.serve_engines or a.engines) if a.serve else []
+    left: dict[tuple[str, str], int] = {}     # the last round's sweeps of each (engine, model) not yet ended
+    ended = threading.Condition()
+
+    def serve_job(engine: str, model: str, which: str, slot: list[str] | None) -> None:
+        """ours' or the best built-in's server, once every sweep of its engine and model has ended (the best
+        built-in is read from their results), on its slot's GPU and port, beside the jobs still running."""
+        with ended:
+            ended.wait_for(lambda: left.get((engine, model), 0) <= 0)
+        config = "ours" if which == "ours" else best_builtin(load_results(out), engine, model)
+        if config is None:
+            print(f"=== serve {engine} {model}: no built-in result to serve", flush=True)
+            return
+        path = paths[model][CONFIGS[engine][config][0]]
+        senv = {**envs[engine], "CUDA_VISIBLE_DEVICES": ",".join(slot)} if slot else envs[engine]
+        print(f"=== serve {engine} {model} {config}" + (f" on GPU {','.join(slot)}" if slot else ""), flush=True)
+        res = serve_bench(a, engine, model, config, path, senv, port=a.port + slots.index(slot))
+        res["layers"] = checkpoint_layers(path)
+        (out / f"serve-{engine}-{model}-{config}.json").write_text(json.dumps(res, indent=1))
+
+    def task(kind: str, *args) -> None:
+        if kind == "serve":
+            return serve_job(*args)
+        rnd, engine, model, config, slot = args
+        try:
+            job(rnd, engine, model, config, slot)
+        finally:
+            if rnd == a.rounds - 1:
+                with ended:
+                    left[engine, model] -= 1
+                    ended.notify_all()
+
     # rounds after the first: the same configurations again, each in a fresh engine process, after all of the
-    # previous round (host-bound decode varies by up to ±30% between processes)
+    # previous round (host-bound decode varies by up to ±30% between processes); the servers in the last round,
+    # each engine's after its sweeps (its serve jobs wait for them), beside the other engine's sweeps
     for rnd in range(a.rounds):
-        jobs = [(rnd, engine, model, config) for engine in a.engines for model in a.models
-                for config in order(engine, rnd) if config in CONFIGS[engine]]
-        run_side_by_side(jobs, slots, job)
-    if a.serve:
-        results = load_results(out)          # the engine runs' results: each engine's best built-in per model
-
-        def serve_job(engine: str, model: str, config: str, slot: list[str] | None) -> None:
-            # side by side like the engine runs, each server on its slot's GPU and its own port
-            path = paths[model][CONFIGS[engine][config][0]]
-            senv = {**envs[engine], "CUDA_VISIBLE_DEVICES": ",".join(slot)} if slot else envs[engine]
-            res = serve_bench(a, engine, model, config, path, senv, port=a.port + slots.index(slot))
-            res["layers"] = checkpoint_layers(path)
-            (out / f"serve-{engine}-{model}-{config}.json").write_text(json.dumps(res, indent=1))
-
-        run_side_by_side([(engine, model, config) for engine in a.engines for model in a.serve_models or a.models
-                          for config in ("ours", best_builtin(results, engine, model)) if config is not None],
-                         slots, serve_job)
+        jobs = []
+        for engine in a.engines:
+            sweeps = [("sweep", rnd, engine, model, config) for model in a.models
+                      for config in order(engine, rnd) if config in CONFIGS[engine]]
+            jobs += sweeps
+            if rnd == a.rounds - 1:
+                for _, _, e, m, _ in sweeps:
+                    left[e, m] = left.get((e, m), 0) + 1
+                if engine in serve_engines:
+                    jobs += [("serve", engine, model, which) for model in a.serve_models or a.models
+                             for which in ("ours", "best")]
+        run_side_by_side(jobs, slots, task)
     report(out)
     return 0
 
@@ -1550,6 +1582,7 @@ def parser() -> argparse.ArgumentParser:
                    help="also each engine's OpenAI server (vllm serve, sglang.launch_server) with streaming clients: "
                         "ours and the engine's best built-in, the first request after ready recorded")
     r.add_argument("--serve-models", nargs="+", default=None, choices=list(MODELS), help="default: --models")
+    r.add_argument("--serve-engines", nargs="+", default=None, choices=list(CONFIGS), help="default: --engines")
     r.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
     r.add_argument("--requests-per-client", type=int, default=2)
     r.add_argument("--port", type=int, default=8321)

@@ -993,6 +993,7 @@ def test_one_run_takes_both_engines_side_by_side_and_serves_side_by_side(tmp_pat
     def fake_serve(a, engine, model, config, path, env, port=None):
         with lock:
             served.append((engine, config, env["CUDA_VISIBLE_DEVICES"], port, env["PYTHONPATH"].split(os.pathsep)[0]))
+            events.append(("serve", f"serve {engine}-{config}", None))
         time.sleep(0.05)
         return {"engine": engine, "model": model, "config": config}
 
@@ -1012,9 +1013,21 @@ def test_one_run_takes_both_engines_side_by_side_and_serves_side_by_side(tmp_pat
     # servers: ours and each engine's best built-in, one per slot at once, port = --port + the slot's place
     assert sorted((e, c) for e, c, *_ in served) == [("sglang", "builtin"), ("sglang", "ours"), ("vllm", "humming"),
                                                      ("vllm", "ours")]
-    assert sorted((gpu, port) for _, _, gpu, port, _ in served) == [("0", 9000), ("1", 9001), ("2", 9002),
-                                                                     ("3", 9003)]
+    assert all(port == 9000 + int(gpu) for _, _, gpu, port, _ in served)        # --port + the slot's place
+    # vLLM's servers after vLLM's sweeps, beside SGLang's (not after every sweep of the run)
+    at = {name: i for i, (what, name, _) in enumerate(events) if what in ("start", "serve")}
+    vllm_served = min(at["serve vllm-ours"], at["serve vllm-humming"])
+    assert max(at[f"vllm-{c}"] for c in tok if c != "builtin") < vllm_served
+    assert vllm_served < max(at[f"sglang-{c}"] for c in ("bf16", "builtin", "ours"))
     assert all(py == str(vsite if e == "vllm" else ssite) for e, _, _, _, py in served)
     assert sorted(p.name for p in (tmp_path / "o").glob("serve-*.json")) == [
         "serve-sglang-dense-builtin.json", "serve-sglang-dense-ours.json", "serve-vllm-dense-humming.json",
         "serve-vllm-dense-ours.json"]
+    # --serve-engines: only vLLM's servers; an engine not run is refused
+    served.clear()
+    E.main(["run", "--out", str(tmp_path / "v"), "--engines", "vllm", "sglang", "--models", "dense",
+            "--site", f"vllm={vsite}", "--site", f"sglang={ssite}", "--gpus", "0", "1", "--serve",
+            "--serve-engines", "vllm"])
+    assert sorted((e, c) for e, c, *_ in served) == [("vllm", "humming"), ("vllm", "ours")]
+    with pytest.raises(SystemExit, match="--serve-engines sglang: not among --engines vllm"):
+        E.main(["run", "--out", str(tmp_path / "w"), "--engines", "vllm", "--serve", "--serve-engines", "sglang"])
