@@ -276,16 +276,17 @@ def plugin_env() -> dict:
 
 def engine_env(env: dict, engine: str, sites: dict[str, str]) -> dict:
     """``env`` for one engine's processes: its ``--site`` folder first on PYTHONPATH (its ``bin`` first on PATH)
-    and every other engine's ``--site`` taken off both, so each engine imports only its own bundle."""
+    and every entry inside another engine's ``--site`` taken off both, so each engine imports only its own
+    bundle."""
     if not sites:
         return env
-    others = {os.path.realpath(d) for e, d in sites.items() if e != engine}
+    others = [os.path.realpath(d) for e, d in sites.items() if e != engine]
 
-    def keep(entries: str, under_other) -> list[str]:
-        return [x for x in entries.split(os.pathsep) if x and not under_other(os.path.realpath(x))]
+    def keep(entries: str) -> list[str]:     # off: anything inside another engine's bundle (its bin, ninja's bin)
+        return [x for x in entries.split(os.pathsep) if x and not any(
+            os.path.commonpath([os.path.realpath(x), o]) == o for o in others)]
 
-    py = keep(env.get("PYTHONPATH", ""), lambda x: x in others)
-    path = keep(env.get("PATH", ""), lambda x: os.path.dirname(x) in others)
+    py, path = keep(env.get("PYTHONPATH", "")), keep(env.get("PATH", ""))
     own = sites.get(engine)
 
     def first(entries: list[str], x: str) -> list[str]:
@@ -293,32 +294,64 @@ def engine_env(env: dict, engine: str, sites: dict[str, str]) -> dict:
 
     if own:
         py = first(py, own)
-        if Path(own, "bin").is_dir():
-            path = first(path, str(Path(own, "bin")))
+        # its scripts, and the ninja its JIT builds run (plugin_env found the parent's, which may be the other's)
+        for sub in (("ninja", "data", "bin"), ("bin",)):
+            if Path(own, *sub).is_dir():
+                path = first(path, str(Path(own, *sub)))
     return {**env, "PYTHONPATH": os.pathsep.join(py), "PATH": os.pathsep.join(path)}
 
 
-def start_sglang_prebuild(env: dict, out: Path, marlin: bool) -> threading.Event:
-    """SGLang's JIT prebuild (``prebuild-sglang-jit``) in a process of SGLang's environment, in the background:
-    the returned event is set when it has ended (built or not: an engine then builds what is missing itself).
-    vLLM's configurations run meanwhile; SGLang's wait for it."""
-    done = threading.Event()
-    cmd = [sys.executable, "-m", "benchmarks.bench_e2e", "prebuild-sglang-jit"] + ([] if marlin else ["--no-marlin"])
+#: the longest the background SGLang JIT prebuild may take (8 minutes on the H200; it once deadlocked on import locks)
+PREBUILD_TIMEOUT_S = 1800
 
-    def build():
+
+class SglangPrebuild:
+    """SGLang's JIT prebuild (``prebuild-sglang-jit``) in a process of SGLang's environment, in the background:
+    vLLM's configurations run meanwhile, SGLang's call :meth:`wait`, which returns once it has ended (built or
+    not, or killed after ``PREBUILD_TIMEOUT_S``: an engine then builds what is missing itself). :meth:`stop`
+    ends the process when the run ends first, so no nvcc keeps writing the shared cache behind a rerun."""
+
+    def __init__(self, env: dict, out: Path, marlin: bool):
+        self.done = threading.Event()
+        self.proc: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+        cmd = [sys.executable, "-m", "benchmarks.bench_e2e", "prebuild-sglang-jit"] + ([] if marlin else ["--no-marlin"])
+        threading.Thread(target=self._build, args=(cmd, env, out / "prebuild-sglang-jit.log"), daemon=True).start()
+
+    def _build(self, cmd, env, log_path) -> None:
         t = time.time()
         try:
-            with open(out / "prebuild-sglang-jit.log", "w") as log:
-                rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-            print(f"=== sglang jit prebuild: exit {rc} after {time.time() - t:.0f} s (prebuild-sglang-jit.log)",
-                  flush=True)
+            with open(log_path, "w") as log, self.lock:
+                self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                rc = self.proc.wait(timeout=PREBUILD_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.stop()
+                rc = f"killed after {PREBUILD_TIMEOUT_S} s"
+            print(f"=== sglang jit prebuild: exit {rc} after {time.time() - t:.0f} s ({log_path.name})", flush=True)
         except Exception as exc:  # noqa: BLE001 - the engines then build what they miss themselves
             print(f"=== sglang jit prebuild: {type(exc).__name__}: {exc}", flush=True)
         finally:
-            done.set()
+            self.done.set()
 
-    threading.Thread(target=build, daemon=True).start()
-    return done
+    def wait(self) -> None:
+        self.done.wait()
+
+    def stop(self) -> None:
+        with self.lock:
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class _Ready:
+    """The prebuild of a run without SGLang: nothing to wait for."""
+
+    def wait(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
 
 
 # ------------------------------------------------------------------------------------------------
@@ -973,11 +1006,9 @@ def run(a) -> int:
     envs = {engine: engine_env(env, engine, sites) for engine in a.engines}
     par = parallel_tag(a.tp, a.ep)
     suffix = "" if par == "tp1" else f"-{par}"
-    prebuilt = threading.Event()
+    prebuilt = _Ready()
     if "sglang" in a.engines:      # on the CPU, while the other engine's configurations run
-        prebuilt = start_sglang_prebuild(envs["sglang"], out, "builtin" in (a.configs or default_configs("sglang")))
-    else:
-        prebuilt.set()
+        prebuilt = SglangPrebuild(envs["sglang"], out, "builtin" in (a.configs or default_configs("sglang")))
 
     def order(engine: str, rnd: int) -> list[str]:
         """The configurations of a round, rotated by one place each round: a machine whose host slows for a
@@ -1029,12 +1060,15 @@ def run(a) -> int:
     serve_engines = (a.serve_engines or a.engines) if a.serve else []
     left: dict[tuple[str, str], int] = {}     # the last round's sweeps of each (engine, model) not yet ended
     ended = threading.Condition()
+    failed = threading.Event()
 
     def serve_job(engine: str, model: str, which: str, slot: list[str] | None) -> None:
         """ours' or the best built-in's server, once every sweep of its engine and model has ended (the best
         built-in is read from their results), on its slot's GPU and port, beside the jobs still running."""
         with ended:
             ended.wait_for(lambda: left.get((engine, model), 0) <= 0)
+        if failed.is_set():      # a job of another slot raised: the run ends, no server starts
+            return
         config = "ours" if which == "ours" else best_builtin(load_results(out), engine, model)
         if config is None:
             print(f"=== serve {engine} {model}: no built-in result to serve", flush=True)
@@ -1052,6 +1086,9 @@ def run(a) -> int:
         rnd, engine, model, config, slot = args
         try:
             job(rnd, engine, model, config, slot)
+        except BaseException:
+            failed.set()          # before the servers waiting on this sweep wake up
+            raise
         finally:
             if rnd == a.rounds - 1:
                 with ended:
@@ -1073,7 +1110,11 @@ def run(a) -> int:
                 if engine in serve_engines:
                     jobs += [("serve", engine, model, which) for model in a.serve_models or a.models
                              for which in ("ours", "best")]
-        run_side_by_side(jobs, slots, task)
+        try:
+            run_side_by_side(jobs, slots, task, failed)
+        finally:
+            if failed.is_set() or rnd == a.rounds - 1:
+                prebuilt.stop()
     report(out)
     return 0
 
@@ -1099,10 +1140,11 @@ def gpu_slots(gpus: list[str] | None, tp: int, visible: str | None = None) -> li
     return [gpus[i:i + tp] for i in range(0, len(gpus), tp)]
 
 
-def run_side_by_side(jobs: list[tuple], slots: list, job) -> None:
+def run_side_by_side(jobs: list[tuple], slots: list, job, failed: threading.Event | None = None) -> None:
     """Run ``job(*j, slot)`` for every job, as many at once as there are slots, each slot taking the next job
     in order when its last one ends; returns when all have ended. An exception in any slot (or Ctrl-C) stops
-    the slots from taking more jobs; the running ones end, then the first exception is raised."""
+    the slots from taking more jobs and sets ``failed`` (running jobs that wait may look at it); the running
+    ones end, then the first exception is raised."""
     todo = list(jobs)
     lock = threading.Lock()
     errors: list[BaseException] = []
@@ -1119,6 +1161,8 @@ def run_side_by_side(jobs: list[tuple], slots: list, job) -> None:
             with lock:
                 errors.append(exc)
                 todo.clear()
+            if failed is not None:
+                failed.set()
 
     threads = [threading.Thread(target=drain, args=(slot,)) for slot in slots[1:]]
     for th in threads:

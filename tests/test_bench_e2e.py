@@ -144,9 +144,7 @@ def test_serve_runs_each_engines_server_with_its_context_flag(tmp_path, monkeypa
                                                                    for m in models})
     monkeypatch.setattr(E, "plugin_env", lambda: {})
     monkeypatch.setattr(E, "report", lambda out: "")
-    prebuilt = threading.Event()
-    prebuilt.set()
-    monkeypatch.setattr(E, "start_sglang_prebuild", lambda env, out, marlin: prebuilt)
+    monkeypatch.setattr(E, "SglangPrebuild", lambda env, out, marlin: E._Ready())
     monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: None)
     monkeypatch.setattr(E, "serve_bench", lambda a, engine, model, config, path, env, port=None:
                         served.append((engine, model, config, path.name)) or {"engine": engine, "config": config})
@@ -933,17 +931,19 @@ def test_served_models_are_built_too(tmp_path, monkeypatch):
 
 def test_engine_env_puts_each_engines_site_first_and_the_others_off(tmp_path):
     vsite, ssite = tmp_path / "site", tmp_path / "site_sg"
-    for d in (vsite / "bin", ssite / "bin"):
+    for d in (vsite / "bin", ssite / "bin", ssite / "ninja" / "data" / "bin"):
         d.mkdir(parents=True)
     env = {"PYTHONPATH": os.pathsep.join([str(vsite), "/ep", "/repo"]),
-           "PATH": os.pathsep.join([str(vsite / "bin"), "/usr/bin"]), "X": "1"}
+           "PATH": os.pathsep.join([str(vsite / "ninja" / "data" / "bin"), str(vsite / "bin"), "/usr/bin"]),
+           "X": "1"}
     sites = {"vllm": str(vsite), "sglang": str(ssite)}
     sg = E.engine_env(env, "sglang", sites)
     assert sg["PYTHONPATH"].split(os.pathsep) == [str(ssite), "/ep", "/repo"]
-    assert sg["PATH"].split(os.pathsep) == [str(ssite / "bin"), "/usr/bin"] and sg["X"] == "1"
+    assert sg["PATH"].split(os.pathsep) == [str(ssite / "bin"), str(ssite / "ninja" / "data" / "bin"), "/usr/bin"]
+    assert sg["X"] == "1"
     vl = E.engine_env(env, "vllm", sites)
     assert vl["PYTHONPATH"].split(os.pathsep) == [str(vsite), "/ep", "/repo"]     # its own once, first
-    assert vl["PATH"].split(os.pathsep) == [str(vsite / "bin"), "/usr/bin"]
+    assert vl["PATH"].split(os.pathsep) == [str(vsite / "bin"), str(vsite / "ninja" / "data" / "bin"), "/usr/bin"]
     assert E.engine_env(env, "vllm", {}) is env                                   # no --site: as it was
     with pytest.raises(SystemExit):
         E.parser().parse_args(["run", "--out", "o", "--site", f"tgi={vsite}"])
@@ -963,15 +963,26 @@ def test_one_run_takes_both_engines_side_by_side_and_serves_side_by_side(tmp_pat
     events, lock = [], threading.Lock()
     tok = {"marlin": 100.0, "humming": 120.0, "builtin": 90.0, "ours": 130.0, "bf16": 80.0}
 
-    def fake_run(cmd, **kw):
-        py = kw["env"]["PYTHONPATH"].split(os.pathsep)[0]
-        if "prebuild-sglang-jit" in cmd:
+    class FakePrebuild:           # the SGLang JIT prebuild's process: 0.3 s
+        def __init__(self, cmd, **kw):
+            assert "prebuild-sglang-jit" in cmd
+            self.py = kw["env"]["PYTHONPATH"].split(os.pathsep)[0]
+            self.rc = None
             with lock:
-                events.append(("prebuild start", py, None))
+                events.append(("prebuild start", self.py, None))
+
+        def wait(self, timeout=None):
             time.sleep(0.3)
             with lock:
-                events.append(("prebuild end", py, None))
-            return types.SimpleNamespace(returncode=0)
+                events.append(("prebuild end", self.py, None))
+            self.rc = 0
+            return 0
+
+        def poll(self):
+            return self.rc
+
+    def fake_run(cmd, **kw):
+        py = kw["env"]["PYTHONPATH"].split(os.pathsep)[0]
         out = cmd[cmd.index("--out") + 1]
         engine, config = cmd[cmd.index("--engine") + 1], cmd[cmd.index("--config") + 1]
         with lock:
@@ -988,6 +999,7 @@ def test_one_run_takes_both_engines_side_by_side_and_serves_side_by_side(tmp_pat
     monkeypatch.setattr(E, "plugin_env", lambda: dict(os.environ))
     monkeypatch.setattr(E, "report", lambda out: "")
     monkeypatch.setattr(E.subprocess, "run", fake_run)
+    monkeypatch.setattr(E.subprocess, "Popen", FakePrebuild)
     monkeypatch.setattr(E, "checkpoint_layers", lambda path: None)
 
     def fake_serve(a, engine, model, config, path, env, port=None):
@@ -1031,3 +1043,69 @@ def test_one_run_takes_both_engines_side_by_side_and_serves_side_by_side(tmp_pat
     assert sorted((e, c) for e, c, *_ in served) == [("vllm", "humming"), ("vllm", "ours")]
     with pytest.raises(SystemExit, match="--serve-engines sglang: not among --engines vllm"):
         E.main(["run", "--out", str(tmp_path / "w"), "--engines", "vllm", "--serve", "--serve-engines", "sglang"])
+
+
+def test_no_server_starts_after_a_sweep_failed(tmp_path, monkeypatch):
+    """A sweep that raises while another slot's serve job waits for it: the server is not started (the run
+    is ending), and the error is raised."""
+    def fake_run(cmd, **kw):
+        config = cmd[cmd.index("--config") + 1]
+        if config == "marlin":
+            time.sleep(0.2)
+            raise RuntimeError("marlin's worker could not start")
+        with open(cmd[cmd.index("--out") + 1], "w") as f:
+            json.dump(_result(config, {1: 100.0}), f)
+
+    served = []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(E, "build_models", lambda d, models, *_: {m: {"bf16": d / "b", "nvfp4": d / "q"}
+                                                                   for m in models})
+    monkeypatch.setattr(E, "plugin_env", lambda: {})
+    monkeypatch.setattr(E, "report", lambda out: "")
+    monkeypatch.setattr(E.subprocess, "run", fake_run)
+    monkeypatch.setattr(E, "serve_bench", lambda *args, **kw: served.append(args) or {})
+    with pytest.raises(RuntimeError, match="marlin's worker"):
+        E.main(["run", "--out", str(tmp_path), "--models", "dense", "--configs", "ours", "marlin", "--gpus", "0", "1",
+                "--serve"])
+    assert served == []
+
+
+def test_sglang_prebuild_is_killed_after_its_timeout_and_when_stopped(tmp_path, monkeypatch):
+    class Proc:
+        killed = 0
+
+        def __init__(self, cmd, **kw):
+            self.cmd, self.rc = cmd, None
+
+        def wait(self, timeout=None):
+            if timeout is not None and self.rc is None:
+                raise E.subprocess.TimeoutExpired(self.cmd, timeout)
+            return self.rc
+
+        def poll(self):
+            return self.rc
+
+        def kill(self):
+            Proc.killed += 1
+            self.rc = -9
+
+    monkeypatch.setattr(E.subprocess, "Popen", Proc)
+    pb = E.SglangPrebuild({}, tmp_path, marlin=False)
+    assert pb.done.wait(5)           # the timeout ends it: SGLang's configurations go on, building what they miss
+    assert Proc.killed == 1 and pb.proc.cmd[-1] == "--no-marlin"
+    pb.stop()                        # already ended: nothing more to kill
+    assert Proc.killed == 1
+
+    class Running(Proc):
+        def wait(self, timeout=None):
+            while self.rc is None:
+                time.sleep(0.01)
+            return self.rc
+
+    monkeypatch.setattr(E.subprocess, "Popen", Running)
+    pb = E.SglangPrebuild({}, tmp_path, marlin=True)
+    while pb.proc is None:
+        time.sleep(0.01)
+    assert not pb.done.is_set()
+    pb.stop()                        # the run ended first: the nvcc process goes with it
+    assert pb.done.wait(5) and Proc.killed == 2

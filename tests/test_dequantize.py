@@ -184,6 +184,24 @@ def test_reference_logprobs_and_comparison(checkpoints, tmp_path):
         assert ours[5] == f"{verdict} ({shift:.4f} / {mean:.4f})", ours
 
 
+def test_divergence_names_the_reference_token_where_the_texts_part():
+    from integration.compare_logprobs import divergence, within_floor
+
+    ref = {"completion": " Paris is big", "completion_offsets": [6, 9, 13], "completion_margins": [2.0, 0.5, 0.05]}
+    assert divergence({"completion": " Paris is big"}, ref) == "yes"
+    assert divergence({"completion": " Lyon"}, ref) == "no: token 1, reference margin 2.0000"
+    assert divergence({"completion": " Paris was"}, ref) == "no: token 2, reference margin 0.5000"     # char 7
+    assert divergence({"completion": " Paris-is"}, ref) == "no: token 2, reference margin 0.5000"      # char 6
+    assert divergence({"completion": " Paris is bit"}, ref) == "no: token 3, reference margin 0.0500"
+    assert divergence({"completion": " Paris"}, ref) == "no: token 2, reference margin 0.5000"         # a prefix
+    assert divergence({"completion": " Paris is big!"}, ref) == "no"           # the reference's ends first
+    assert divergence({"completion": " Lyon"}, {"completion": " Paris"}) == "no"   # no margins recorded
+    assert within_floor((0.05, 0.01), (0.08, 0.02)).startswith("yes")
+    assert within_floor((0.05, 0.03), (0.08, 0.02)).startswith("no")           # the mean decides too
+    assert within_floor((0.09, 0.01), (0.08, 0.02)).startswith("no")
+    assert within_floor(None, (0.08, 0.02)) == "n/a" and within_floor((0.05, 0.01), None) == "n/a"
+
+
 def test_compare_tp_gates_greedy_text(tmp_path):
     """integration/compare_tp.py: identical greedy texts pass (a late decode difference is reported,
     not gated); a different completion or a server that did not answer fails."""
