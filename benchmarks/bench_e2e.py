@@ -825,6 +825,11 @@ def _shape_arg(shape: str) -> str:
     return shape
 
 
+def profiled(engine: str, config: str, only: list[str] | None) -> bool:
+    """Whether ``--profile-configs`` (entries ``CONFIG`` or ``ENGINE:CONFIG``; None: all) takes this one."""
+    return only is None or config in only or f"{engine}:{config}" in only
+
+
 def _site_arg(text: str) -> tuple[str, str]:
     engine, sep, path = text.partition("=")
     if not sep or engine not in CONFIGS or not path:
@@ -988,6 +993,11 @@ def run(a) -> int:
     if a.serve and a.tp > 1:
         raise SystemExit("bench_e2e: --serve runs on one GPU; drop --serve or --tp")
     slots = gpu_slots(a.gpus, a.tp, os.environ.get("CUDA_VISIBLE_DEVICES"))   # bad --gpus: refused first
+    known = {c for e in CONFIGS for c in CONFIGS[e]} | {f"{e}:{c}" for e in CONFIGS for c in CONFIGS[e]}
+    bad = sorted(set(a.profile_configs or []) - known)
+    if bad:
+        raise SystemExit(f"bench_e2e: --profile-configs {' '.join(bad)}: no such configuration (CONFIG or "
+                         f"ENGINE:CONFIG, e.g. vllm:ours)")
     bad = sorted(set(a.serve_engines or []) - set(a.engines))
     if bad:
         raise SystemExit(f"bench_e2e: --serve-engines {' '.join(bad)}: not among --engines {' '.join(a.engines)}")
@@ -1034,7 +1044,7 @@ def run(a) -> int:
                "--mem-fraction", str(a.mem_fraction), "--max-model-len", str(a.max_model_len),
                "--repeats", str(a.repeats), "--prefill-repeats", str(a.prefill_repeats),
                "--tp", str(a.tp)] + (["--ep"] if a.ep else [])
-        if a.profile_batches and rnd == 0:
+        if a.profile_batches and rnd == 0 and profiled(engine, config, a.profile_configs):
             cmd += ["--profile-batches", *map(str, a.profile_batches)]
         if len(slots) > 1:
             cmd += ["--side-by-side", ",".join(slot)]
@@ -1622,6 +1632,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--moe-layers", type=_positive_int, default=MOE_LAYERS, help=MOE_LAYERS_HELP)
     r.add_argument("--configs", nargs="+", default=None, help="subset of each engine's configurations")
     r.add_argument("--profile-batches", type=int, nargs="*", default=[1, 8, 64])
+    r.add_argument("--profile-configs", nargs="+", default=None, metavar="[ENGINE:]CONFIG",
+                   help="profile only these configurations (e.g. vllm:ours vllm:humming; default: every one)")
     r.add_argument("--serve", action="store_true",
                    help="also each engine's OpenAI server (vllm serve, sglang.launch_server) with streaming clients: "
                         "ours and the engine's best built-in, the first request after ready recorded")

@@ -1109,3 +1109,22 @@ def test_sglang_prebuild_is_killed_after_its_timeout_and_when_stopped(tmp_path, 
     assert not pb.done.is_set()
     pb.stop()                        # the run ended first: the nvcc process goes with it
     assert pb.done.wait(5) and Proc.killed == 2
+
+
+def test_profile_configs_names_the_configurations_profiled(tmp_path, monkeypatch):
+    cmds = []
+    monkeypatch.setattr(E, "build_models", lambda d, models, *_: {m: {"bf16": d / "b", "nvfp4": d / "q"}
+                                                                   for m in models})
+    monkeypatch.setattr(E, "plugin_env", lambda: {})
+    monkeypatch.setattr(E, "report", lambda out: "")
+    monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: cmds.append(cmd))
+    E.main(["run", "--out", str(tmp_path / "a"), "--models", "dense", "--profile-batches", "1", "8",
+            "--profile-configs", "vllm:ours", "humming"])
+    prof = {c[c.index("--config") + 1]: c[c.index("--profile-batches") + 1:c.index("--profile-batches") + 3]
+            for c in cmds if "--profile-batches" in c}
+    assert prof == {"ours": ["1", "8"], "humming": ["1", "8"]} and len(cmds) == 4
+    cmds.clear()
+    E.main(["run", "--out", str(tmp_path / "b"), "--models", "dense", "--configs", "ours", "bf16"])
+    assert all("--profile-batches" in c for c in cmds) and len(cmds) == 2        # default: every one
+    with pytest.raises(SystemExit, match="--profile-configs sglang:humming: no such configuration"):
+        E.main(["run", "--out", str(tmp_path / "c"), "--profile-configs", "sglang:humming"])
