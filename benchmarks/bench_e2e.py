@@ -23,8 +23,8 @@ its own process, started as a user starts it (``vllm.LLM`` with vLLM's default s
     both, only when named in --configs: ours-triton-launch (ours with NVFP4_PLUGIN_FAST_LAUNCH=0: every
             kernel launch through Triton's launch path, the A/B of the plugin's direct launches)
 
-Each first answers the engine process's first request (one 16-token prompt, one generated token, twice:
-what the engine pays once per process, recorded apart from the shapes' first runs), then measures decode
+Each first answers the engine process's first request (one 16-token prompt, 8 generated tokens, then the same
+again: what the engine pays once per process, recorded apart from the shapes' first runs), then measures decode
 throughput at every batch size of ``--batches`` (``--prompt-len`` prompt tokens,
 ``--gen-len`` generated tokens with ``ignore_eos``; output tokens per second of wall time, prefill included),
 with fresh random prompts each run: a warm-up run (recorded: the first request of a shape must be as fast as
@@ -101,8 +101,9 @@ BUILTIN = {"vllm": ("marlin", "humming"), "sglang": ("builtin",)}
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 #: further prefill shapes (prompts x tokens): one chunk of 16384 tokens, half of one, four; ms per run of each
 PREFILL_SHAPES = ("16x1024", "8x1024", "64x1024")
-#: the prompt of the engine's first request (:func:`engine_first_request`): a length no sweep shape uses
+#: the engine's first request (:func:`engine_first_request`): a prompt length no sweep shape uses, and a few tokens
 ENGINE_FIRST_PROMPT = 16
+ENGINE_FIRST_GEN = 8
 
 
 def default_configs(engine: str) -> list[str]:
@@ -705,14 +706,16 @@ def host_cpus(cpu) -> dict:
 
 
 def engine_first_request(timed) -> dict:
-    """The engine process's first request, twice: one ``ENGINE_FIRST_PROMPT``-token prompt generating one token
-    (a prefill step, no decode step). What the engine pays once per process at its first request (its own lazy
-    compiles and allocations: SGLang's Triton kernels load at their first use in every process, bf16 too) is the
-    first time less the second; kept apart, the first run of each batch size after it measures what the issue's
-    check is about, a shape's first use (batch 1's first decode step included)."""
-    first = timed(1, ENGINE_FIRST_PROMPT, 1)[1]
-    again = timed(1, ENGINE_FIRST_PROMPT, 1)[1]
-    return {"prompt_len": ENGINE_FIRST_PROMPT, "first_s": round(first, 4), "again_s": round(again, 4)}
+    """The engine process's first request, then the same request again: one ``ENGINE_FIRST_PROMPT``-token prompt,
+    ``ENGINE_FIRST_GEN`` generated tokens (a prefill step and decode steps at batch 1), what every user's first
+    request does. What the engine pays once per process (its own lazy compiles and allocations: SGLang loads its
+    Triton kernels at their first use in every process, bf16 too) is the first time less the second, reported
+    for every configuration side by side; the sweep after it then asks the issue's question, whether the second
+    request is as fast as the tenth: each shape's first run against its later ones."""
+    first = timed(1, ENGINE_FIRST_PROMPT, ENGINE_FIRST_GEN)[1]
+    again = timed(1, ENGINE_FIRST_PROMPT, ENGINE_FIRST_GEN)[1]
+    return {"prompt_len": ENGINE_FIRST_PROMPT, "gen_len": ENGINE_FIRST_GEN, "first_s": round(first, 4),
+            "again_s": round(again, 4)}
 
 
 def run_sweep(result: dict, timed, a, logprobs=None, counters=None) -> None:
@@ -1345,8 +1348,8 @@ def checks(results: list[dict], engine: str, model: str) -> list[str]:
     cells = [f"{c} {e['first_s']:.2f} / {e['again_s']:.2f}" for c, r in sorted(by.items())
              if (e := r.get("engine_first_request"))]
     if cells:   # what every configuration's engine pays once per process, before the shapes' first runs
-        lines.append(f"the engine's first request (one {ENGINE_FIRST_PROMPT}-token prompt, one token), s, first / "
-                     "again: " + ", ".join(cells))
+        lines.append(f"the engine's first request ({ENGINE_FIRST_PROMPT}-token prompt, {ENGINE_FIRST_GEN} tokens), s, "
+                     "first / again: " + ", ".join(cells))
     if engine == "vllm":
         lines.append(f"start method: {ours.get('start_method', '?')}")
     # the engine's host loop at the smallest batches, where steps wait on it (per round where there are rounds)

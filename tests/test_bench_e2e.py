@@ -45,7 +45,7 @@ def test_checks_pass_and_miss():
     # the engine's first request of every configuration that recorded one, beside the shapes' first runs
     rs[0]["engine_first_request"] = {"prompt_len": 16, "first_s": 2.5, "again_s": 0.04}
     rs[1]["engine_first_request"] = {"prompt_len": 16, "first_s": 0.61, "again_s": 0.031}
-    assert E.checks(rs, "vllm", "moe")[5] == ("the engine's first request (one 16-token prompt, one token), s, "
+    assert E.checks(rs, "vllm", "moe")[5] == ("the engine's first request (16-token prompt, 8 tokens), s, "
                                               "first / again: bf16 2.50 / 0.04, ours 0.61 / 0.03")
     # a built-in that never served (SGLang's Marlin JIT inside the start-up timeout) is named, not counted as 0
     rs = [_result("bf16", {1: 200}, 40000, engine="sglang"), _result("ours", {1: 300}, 39000, engine="sglang"),
@@ -206,7 +206,8 @@ def test_run_sweep_reports_the_median_after_a_warmup(tmp_path):
     assert partial["decode"] == res["decode"] and partial["prefill"]["tok_s"] == 16.0
     assert shapes[-4:] == [(4, 100)] * 4
     assert shapes[:2] == [(1, E.ENGINE_FIRST_PROMPT)] * 2 and E.ENGINE_FIRST_PROMPT not in (4, 8, 100)
-    assert res["engine_first_request"] == {"prompt_len": E.ENGINE_FIRST_PROMPT, "first_s": 3.0, "again_s": 0.25}
+    assert res["engine_first_request"] == {"prompt_len": E.ENGINE_FIRST_PROMPT, "gen_len": E.ENGINE_FIRST_GEN,
+                                           "first_s": 3.0, "again_s": 0.25}
     assert res["prefill_shapes"] == {"4x100": {"ms_per_run": 20.0, "first_ms": 500.0, "tok_s": 20000.0}}
     assert E.prefill_shape_summary([dict(res, config="ours"), {"config": "bf16"}])[2:5] == [
         "| config | 4x100 |", "|---|---:|", "| ours | 20.0 (500.0) |"]
