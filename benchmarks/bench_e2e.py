@@ -275,17 +275,22 @@ def plugin_env() -> dict:
     return env
 
 
+NINJA_BIN = os.path.join("ninja", "data", "bin")
+
+
 def engine_env(env: dict, engine: str, sites: dict[str, str]) -> dict:
     """``env`` for one engine's processes: its ``--site`` folder first on PYTHONPATH (its ``bin`` first on PATH)
-    and every entry inside another engine's ``--site`` taken off both, so each engine imports only its own
-    bundle."""
+    and every entry inside another engine's ``--site`` taken off both (but a ninja's bin), so each engine imports
+    only its own bundle."""
     if not sites:
         return env
     others = [os.path.realpath(d) for e, d in sites.items() if e != engine]
 
-    def keep(entries: str) -> list[str]:     # off: anything inside another engine's bundle (its bin, ninja's bin)
-        return [x for x in entries.split(os.pathsep) if x and not any(
-            os.path.commonpath([os.path.realpath(x), o]) == o for o in others)]
+    def keep(entries: str) -> list[str]:
+        # off: anything inside another engine's bundle, but a ninja (a build tool SGLang's JIT needs on PATH and
+        # plugin_env found wherever this process imports it from: the same binary for either engine)
+        return [x for x in entries.split(os.pathsep) if x and (x.rstrip(os.sep).endswith(NINJA_BIN) or not any(
+            os.path.commonpath([os.path.realpath(x), o]) == o for o in others))]
 
     py, path = keep(env.get("PYTHONPATH", "")), keep(env.get("PATH", ""))
     own = sites.get(engine)
@@ -296,7 +301,7 @@ def engine_env(env: dict, engine: str, sites: dict[str, str]) -> dict:
     if own:
         py = first(py, own)
         # its scripts, and the ninja its JIT builds run (plugin_env found the parent's, which may be the other's)
-        for sub in (("ninja", "data", "bin"), ("bin",)):
+        for sub in (NINJA_BIN.split(os.sep), ("bin",)):
             if Path(own, *sub).is_dir():
                 path = first(path, str(Path(own, *sub)))
     return {**env, "PYTHONPATH": os.pathsep.join(py), "PATH": os.pathsep.join(path)}

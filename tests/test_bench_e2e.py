@@ -940,7 +940,8 @@ def test_engine_env_puts_each_engines_site_first_and_the_others_off(tmp_path):
     sites = {"vllm": str(vsite), "sglang": str(ssite)}
     sg = E.engine_env(env, "sglang", sites)
     assert sg["PYTHONPATH"].split(os.pathsep) == [str(ssite), "/ep", "/repo"]
-    assert sg["PATH"].split(os.pathsep) == [str(ssite / "bin"), str(ssite / "ninja" / "data" / "bin"), "/usr/bin"]
+    assert sg["PATH"].split(os.pathsep) == [str(ssite / "bin"), str(ssite / "ninja" / "data" / "bin"),
+                                            str(vsite / "ninja" / "data" / "bin"), "/usr/bin"]   # a ninja stays
     assert sg["X"] == "1"
     vl = E.engine_env(env, "vllm", sites)
     assert vl["PYTHONPATH"].split(os.pathsep) == [str(vsite), "/ep", "/repo"]     # its own once, first
