@@ -24,6 +24,15 @@ def _result(config, decode, prefill=None, model="dense", engine="vllm", **kw):
     return r
 
 
+def _offline_run(monkeypatch, env=None):
+    """``run`` without checkpoints or a report: fake model paths, ``env`` (copied when the run starts) as the
+    plugin environment."""
+    monkeypatch.setattr(E, "build_models", lambda d, models, *_: {m: {"bf16": d / "b", "nvfp4": d / "q"}
+                                                                   for m in models})
+    monkeypatch.setattr(E, "plugin_env", lambda: dict(env or {}))
+    monkeypatch.setattr(E, "report", lambda out: "")
+
+
 def test_checks_pass_and_miss():
     rs = [_result("bf16", {1: 200, 8: 1600}, 40000), _result("marlin", {1: 300, 8: 2200}, 20000),
           _result("humming", {1: 310, 8: 2300}, 38000),
@@ -140,10 +149,7 @@ def test_serve_runs_each_engines_server_with_its_context_flag(tmp_path, monkeypa
     from integration.serve_check import server_command
 
     served = []
-    monkeypatch.setattr(E, "build_models", lambda d, models, *_: {m: {"bf16": d / "b", "nvfp4": d / "q"}
-                                                                   for m in models})
-    monkeypatch.setattr(E, "plugin_env", lambda: {})
-    monkeypatch.setattr(E, "report", lambda out: "")
+    _offline_run(monkeypatch)
     monkeypatch.setattr(E, "SglangPrebuild", lambda env, out, marlin: E._Ready())
     monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: None)
     monkeypatch.setattr(E, "serve_bench", lambda a, engine, model, config, path, env, port=None:
@@ -448,10 +454,7 @@ def test_run_refuses_bad_parallelism_before_building_models(tmp_path, monkeypatc
 
 def test_run_hands_the_parallelism_to_each_worker(tmp_path, monkeypatch):
     cmds = []
-    monkeypatch.setattr(E, "build_models", lambda d, models, *_: {m: {"bf16": d / "b", "nvfp4": d / "q"}
-                                                                   for m in models})
-    monkeypatch.setattr(E, "plugin_env", lambda: {})
-    monkeypatch.setattr(E, "report", lambda out: "")
+    _offline_run(monkeypatch)
     monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: cmds.append(cmd))
     E.main(["run", "--out", str(tmp_path), "--models", "moe", "--configs", "ours", "marlin", "--tp", "2", "--ep"])
     assert len(cmds) == 2 and all(c[c.index("--tp") + 1] == "2" and "--ep" in c for c in cmds)
@@ -467,10 +470,7 @@ def test_a_b_configuration_runs_only_when_named_and_with_its_environment(tmp_pat
     """``ours-triton-launch``: ours with NVFP4_PLUGIN_FAST_LAUNCH=0 in its engine process (the served effect
     of the direct kernel launches, in one run); a run without --configs leaves it out."""
     runs = []
-    monkeypatch.setattr(E, "build_models", lambda d, models, *_: {m: {"bf16": d / "b", "nvfp4": d / "q"}
-                                                                   for m in models})
-    monkeypatch.setattr(E, "plugin_env", lambda: {"PATH": "/bin"})
-    monkeypatch.setattr(E, "report", lambda out: "")
+    _offline_run(monkeypatch, env={"PATH": "/bin"})
     monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: runs.append((cmd[cmd.index("--config") + 1],
                                                                            kw["env"])))
     E.main(["run", "--out", str(tmp_path / "a"), "--models", "moe"])
@@ -543,10 +543,7 @@ def test_rounds_run_each_configuration_again_and_report_the_median(tmp_path, mon
     profiled in the first round only; the report reads one result per configuration with the median of the
     rounds (per-round values kept, first-run checks against the first round's own runs)."""
     cmds = []
-    monkeypatch.setattr(E, "build_models", lambda d, models, *_: {m: {"bf16": d / "b", "nvfp4": d / "q"}
-                                                                   for m in models})
-    monkeypatch.setattr(E, "plugin_env", lambda: {})
-    monkeypatch.setattr(E, "report", lambda out: "")
+    _offline_run(monkeypatch)
     monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: cmds.append(cmd))
     E.main(["run", "--out", str(tmp_path), "--models", "moe", "--configs", "ours", "bf16", "--rounds", "3"])
     outs = [c[c.index("--out") + 1].rsplit("/", 1)[1] for c in cmds]
@@ -661,10 +658,7 @@ def test_side_by_side_stops_at_the_first_error_and_raises_it():
 
 
 def test_a_timed_out_worker_keeps_its_sweep_and_an_unfinished_result_runs_again(tmp_path, monkeypatch):
-    monkeypatch.setattr(E, "build_models", lambda d, models, *_: {m: {"bf16": d / "b", "nvfp4": d / "q"}
-                                                                   for m in models})
-    monkeypatch.setattr(E, "plugin_env", lambda: {})
-    monkeypatch.setattr(E, "report", lambda out: "")
+    _offline_run(monkeypatch)
     partial = dict(_result("ours", {1: 500.0}, 240.0, model="moe"), incomplete="the engine process ended after the sweep")
 
     def hangs_after_the_sweep(cmd, **kw):
@@ -996,10 +990,7 @@ def test_one_run_takes_both_engines_side_by_side_and_serves_side_by_side(tmp_pat
     served = []
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("PYTHONPATH", str(vsite))
-    monkeypatch.setattr(E, "build_models", lambda d, models, *_: {m: {"bf16": d / "b", "nvfp4": d / "q"}
-                                                                   for m in models})
-    monkeypatch.setattr(E, "plugin_env", lambda: dict(os.environ))
-    monkeypatch.setattr(E, "report", lambda out: "")
+    _offline_run(monkeypatch, env=os.environ)
     monkeypatch.setattr(E.subprocess, "run", fake_run)
     monkeypatch.setattr(E.subprocess, "Popen", FakePrebuild)
     monkeypatch.setattr(E, "checkpoint_layers", lambda path: None)
@@ -1060,10 +1051,7 @@ def test_no_server_starts_after_a_sweep_failed(tmp_path, monkeypatch):
 
     served = []
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(E, "build_models", lambda d, models, *_: {m: {"bf16": d / "b", "nvfp4": d / "q"}
-                                                                   for m in models})
-    monkeypatch.setattr(E, "plugin_env", lambda: {})
-    monkeypatch.setattr(E, "report", lambda out: "")
+    _offline_run(monkeypatch)
     monkeypatch.setattr(E.subprocess, "run", fake_run)
     monkeypatch.setattr(E, "serve_bench", lambda *args, **kw: served.append(args) or {})
     with pytest.raises(RuntimeError, match="marlin's worker"):
@@ -1115,10 +1103,7 @@ def test_sglang_prebuild_is_killed_after_its_timeout_and_when_stopped(tmp_path, 
 
 def test_profile_configs_names_the_configurations_profiled(tmp_path, monkeypatch):
     cmds = []
-    monkeypatch.setattr(E, "build_models", lambda d, models, *_: {m: {"bf16": d / "b", "nvfp4": d / "q"}
-                                                                   for m in models})
-    monkeypatch.setattr(E, "plugin_env", lambda: {})
-    monkeypatch.setattr(E, "report", lambda out: "")
+    _offline_run(monkeypatch)
     monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: cmds.append(cmd))
     E.main(["run", "--out", str(tmp_path / "a"), "--models", "dense", "--profile-batches", "1", "8",
             "--profile-configs", "vllm:ours", "humming"])
