@@ -12,8 +12,9 @@
     nvfp4-plugin bench e2e --out DIR ...                         # the same as `run`
 
 On the GPU machine, with the vLLM bundle (and, for `--engines sglang`, the SGLang bundle) on
-``PYTHONPATH``, or each named with ``--site``. `run` builds two random-weight checkpoints with ``nvfp4-plugin make-model`` (the
-Llama-3-8B shape, "dense"; the Qwen3-30B-A3B shape with 12 layers, "moe", or ``--moe-layers N`` of its 48)
+``PYTHONPATH``, or each named with ``--site``. `run` builds two random-weight checkpoints with
+``nvfp4-plugin make-model`` (the Llama-3-8B shape, "dense"; the Qwen3-30B-A3B shape with 12 layers, "moe", or
+``--moe-layers N`` of its 48)
 and quantizes each with our quantizer (calibrated ModelOpt NVFP4). Then every engine configuration runs in
 its own process, started as a user starts it (``vllm.LLM`` with vLLM's default start method, ``sglang.Engine``):
 
@@ -51,10 +52,9 @@ backends' own difference as the tolerance) and with bf16.
 With ``--gpus``, engine processes run side by side, one per ``--tp`` GPUs of the list, sharing the host's
 CPUs (each decode run records how busy the machine was outside its engine); the ``--serve`` servers too, each
 engine's once its own sweeps have ended (beside the other engine's), each on its slot's GPU and port (``--port``
-+ the slot's place). With ``--site
-ENGINE=DIR`` for each engine, one run takes both: each engine's processes get their own bundle first on
-``PYTHONPATH`` and never the other's, and SGLang's JIT prebuild runs in SGLang's environment while vLLM's
-configurations run (SGLang's wait for it).
++ the slot's place). With ``--site ENGINE=DIR`` for each engine, one run takes both: each engine's processes
+get their own bundle first on ``PYTHONPATH`` and never the other's, and SGLang's JIT prebuild runs in SGLang's
+environment while vLLM's configurations run (SGLang's wait for it).
 
 Results: one JSON per configuration in DIR, ``e2e.md`` (tables, ratios, the floors of the
 end-to-end issue) and ``e2e.png`` (tokens/s against batch size).
@@ -1056,14 +1056,12 @@ def run(a) -> int:
             cmd += ["--profile-batches", *map(str, a.profile_batches)]
         if len(slots) > 1:
             cmd += ["--side-by-side", ",".join(slot)]
-        where = (f" round {rnd}" if rnd else "") + (f" on GPU {','.join(slot)}" if slot else "")
+        where = (f" round {rnd}" if rnd else "") + on_gpu(slot)
         if engine == "sglang":
             prebuilt.wait()
         print(f"=== {engine} {model} {config} {par}{where}", flush=True)
         t = time.time()
-        penv = config_env(envs[engine], config)
-        if slot:
-            penv = {**penv, "CUDA_VISIBLE_DEVICES": ",".join(slot)}
+        penv = slot_env(config_env(envs[engine], config), slot)
         with open(out / f"{engine}-{model}-{config}{tag}.log", "w") as log:
             try:
                 subprocess.run(cmd, cwd=ROOT, env=penv, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout)
@@ -1092,9 +1090,8 @@ def run(a) -> int:
             print(f"=== serve {engine} {model}: no built-in result to serve", flush=True)
             return
         path = paths[model][CONFIGS[engine][config][0]]
-        senv = {**envs[engine], "CUDA_VISIBLE_DEVICES": ",".join(slot)} if slot else envs[engine]
-        print(f"=== serve {engine} {model} {config}" + (f" on GPU {','.join(slot)}" if slot else ""), flush=True)
-        res = serve_bench(a, engine, model, config, path, senv, port=a.port + slots.index(slot))
+        print(f"=== serve {engine} {model} {config}{on_gpu(slot)}", flush=True)
+        res = serve_bench(a, engine, model, config, path, slot_env(envs[engine], slot), port=a.port + slots.index(slot))
         res["layers"] = checkpoint_layers(path)
         (out / f"serve-{engine}-{model}-{config}.json").write_text(json.dumps(res, indent=1))
 
@@ -1156,6 +1153,15 @@ def gpu_slots(gpus: list[str] | None, tp: int, visible: str | None = None) -> li
                              f"(CUDA_VISIBLE_DEVICES={visible}); --gpus numbers them from 0")
         gpus = [given[int(g)] for g in gpus]
     return [gpus[i:i + tp] for i in range(0, len(gpus), tp)]
+
+
+def slot_env(env: dict, slot: list[str] | None) -> dict:
+    """``env`` for a process of a ``--gpus`` slot: its GPUs as ``CUDA_VISIBLE_DEVICES`` (no slot: as it is)."""
+    return {**env, "CUDA_VISIBLE_DEVICES": ",".join(slot)} if slot else env
+
+
+def on_gpu(slot: list[str] | None) -> str:
+    return f" on GPU {','.join(slot)}" if slot else ""
 
 
 def run_side_by_side(jobs: list[tuple], slots: list, job, failed: threading.Event | None = None) -> None:
