@@ -119,6 +119,24 @@ def test_zero_scale_blocks_are_zeroed_and_restored(act_dtype):
     assert torch.equal(L.unpack(p).packed, w.packed)
 
 
+@pytest.mark.parametrize("act_dtype", L.ACT_DTYPES)
+@pytest.mark.parametrize("chunk_experts", [1, 2, 3])
+def test_prepack_in_expert_groups_equals_one_group(monkeypatch, act_dtype, chunk_experts):
+    """Experts are converted a group at a time (PREPACK_CHUNK_CODES): every group size, a last group
+    shorter than the others, and zero-scale blocks in later groups (their flat indices carry the group's
+    offset) give the bytes of one group of all experts."""
+    gen = torch.Generator().manual_seed(7)
+    w = random_canonical((5,), 70, 96, gen, zero_scale_frac=0.3)
+    one = L.prepack(w, act_dtype)
+    lay = one.layout
+    monkeypatch.setattr(L, "PREPACK_CHUNK_CODES", chunk_experts * lay.n_pad * lay.k_pad)
+    grouped = L.prepack(w, act_dtype)
+    assert (one.zero_blocks // (70 * 96 // 16)).unique().numel() == 5   # zero blocks in every expert
+    for name in ("words", "scales", "alpha", "global_scale", "zero_blocks", "zero_codes"):
+        assert torch.equal(getattr(grouped, name), getattr(one, name)), name
+    assert torch.equal(L.unpack(grouped).packed, w.packed)
+
+
 def test_layout_is_hashable_metadata():
     lay = L.HopperW4Layout(torch.bfloat16, 100, 208, (4,))
     assert lay.n_pad == 128 and lay.k_pad == 256 and lay.num_experts == 4

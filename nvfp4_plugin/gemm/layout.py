@@ -235,22 +235,25 @@ def expand_scale_code(codes: torch.Tensor, act_dtype: torch.dtype) -> torch.Tens
 # Prepack / unpack
 # ----------------------------------------------------------------------------------------------
 
+def _slot_words(act_dtype: torch.dtype) -> torch.Tensor:
+    """int64 ``[8 * 16]``: entry ``16 * (4h + 2kh + e) + code`` is the word bits that ``code`` sets in
+    slot ``(h, kh, e)`` of a word (the slots' bits are disjoint, so a word is the sum of its 8 slots)."""
+    src = _source_bits(act_dtype)
+    tab = [sum(((code >> b) & 1) << pos for b, pos in enumerate(src[h + 2 * kh][e]))
+           for h in range(2) for kh in range(2) for e in range(2) for code in range(16)]
+    return torch.tensor(tab, dtype=torch.int64)
+
+
 def _codes_to_words(codes: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
     """codes uint8 ``[E, N_pad, K_pad]`` -> int32 words ``[E, N_pad/2, K_pad/4]``."""
     e_, n_pad, k_pad = codes.shape
-    src = _source_bits(act_dtype)
     # n = 64*na + 16*w + 8*h + g ; k = 64*ka + 16*j + 8*kh + 2*c + e
     c = codes.reshape(e_, n_pad // 64, 4, 2, 8, k_pad // 64, 4, 2, 4, 2)
     #                  0   1          2  3  4  5           6  7  8  9
     #                  E   na         w  h  g  ka          j  kh c  e
     c = c.permute(0, 1, 2, 4, 5, 8, 6, 3, 7, 9).to(torch.int64)  # E na w g ka c j | h kh e
-    word = torch.zeros(c.shape[:-3], dtype=torch.int64, device=codes.device)
-    for h in range(2):
-        for kh in range(2):
-            for e in range(2):
-                code = c[..., h, kh, e]
-                for b, pos in enumerate(src[h + 2 * kh][e]):
-                    word |= ((code >> b) & 1) << pos
+    slot = torch.arange(0, 8 * 16, 16, dtype=torch.int64, device=codes.device).view(2, 2, 2)
+    word = _slot_words(act_dtype).to(codes.device)[c + slot].sum(dim=(-3, -2, -1))
     word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
     return word.reshape(e_, n_pad // 2, k_pad // 4)
 
@@ -275,10 +278,17 @@ def _words_to_codes(words: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor
     return out.reshape(e_, n_pad, k_pad)
 
 
+#: Codes converted per step of :func:`prepack` (a step's temporaries are ~20 bytes per code): experts
+#: go in groups of at most this many codes, so that a layer of 128 experts is a few dozen steps, not
+#: hundreds of small ones, while its temporaries stay under ~400 MB.
+PREPACK_CHUNK_CODES = 1 << 24
+
+
 def prepack(weight: Nvfp4Weight, act_dtype: torch.dtype = torch.bfloat16) -> PackedW4Weight:
     """Canonical :class:`Nvfp4Weight` -> :class:`PackedW4Weight` for activations of ``act_dtype``.
 
-    Load time only (reads values to validate the scales); works on any device, one expert at a time.
+    Load time only (reads values to validate the scales); works on any device, a group of experts
+    (:data:`PREPACK_CHUNK_CODES`) at a time.
     """
     if act_dtype not in BIT_PLANS:
         raise ValueError(f"act_dtype: expected torch.bfloat16 or torch.float16, got {act_dtype}")
@@ -294,25 +304,27 @@ def prepack(weight: Nvfp4Weight, act_dtype: torch.dtype = torch.bfloat16) -> Pac
     words = torch.empty((num_e, n_pad // 2, k_pad // 4), dtype=torch.int32, device=dev)
     scales = torch.zeros((num_e, n_pad // 2, lay.scale_cols), dtype=torch.int16, device=dev)
     zero_blocks, zero_codes = [], []
-    for ex in range(num_e):
-        sc = encode_scale_codes(bscale[ex])                       # [N, KB]
-        codes = nx.unpack_fp4(packed[ex])                          # [N, K]
-        zb = (sc == 0)[:, :, None].expand(n, kb, nx.NVFP4_BLOCK_SIZE).reshape(n, k)
-        blocks_nz = (codes.reshape(n, kb, nx.NVFP4_BLOCK_SIZE) != 0).any(-1) & (sc == 0)
+    step = max(1, PREPACK_CHUNK_CODES // (n_pad * k_pad))
+    for e0 in range(0, num_e, step):
+        e1 = min(num_e, e0 + step)
+        c = e1 - e0
+        sc = encode_scale_codes(bscale[e0:e1])                    # [c, N, KB]
+        codes = nx.unpack_fp4(packed[e0:e1])                       # [c, N, K]
+        zb = (sc == 0)[..., None].expand(c, n, kb, nx.NVFP4_BLOCK_SIZE).reshape(c, n, k)
+        blocks_nz = (codes.reshape(c, n, kb, nx.NVFP4_BLOCK_SIZE) != 0).any(-1) & (sc == 0)
         if bool(blocks_nz.any()):
             idx = torch.nonzero(blocks_nz.reshape(-1)).reshape(-1)
-            zero_blocks.append(idx + ex * n * kb)
-            zero_codes.append(packed[ex].reshape(n * kb, 8)[idx])
-        codes = torch.where(zb, torch.zeros_like(codes), codes)
-        full = torch.zeros((1, n_pad, k_pad), dtype=torch.uint8, device=dev)
-        full[0, :n, :k] = codes
-        words[ex] = _codes_to_words(full, act_dtype)[0]
-        scp = torch.zeros((n_pad, k_pad // nx.NVFP4_BLOCK_SIZE), dtype=torch.int32, device=dev)
-        scp[:n, :kb] = sc.to(torch.int32)
-        scp = scp.reshape(n_pad // 64, 4, 2, 8, -1)               # na w h g kb
-        pair = scp[:, :, 0] | (scp[:, :, 1] << 8)                  # na w g kb
-        pair = pair.reshape(n_pad // 2, -1)
-        scales[ex, :, :pair.shape[1]] = torch.where(pair >= 2**15, pair - 2**16, pair).to(torch.int16)
+            zero_blocks.append(idx + e0 * n * kb)
+            zero_codes.append(packed[e0:e1].reshape(c * n * kb, 8)[idx])
+        full = torch.zeros((c, n_pad, k_pad), dtype=torch.uint8, device=dev)
+        full[:, :n, :k] = torch.where(zb, torch.zeros_like(codes), codes)
+        words[e0:e1] = _codes_to_words(full, act_dtype)
+        scp = torch.zeros((c, n_pad, k_pad // nx.NVFP4_BLOCK_SIZE), dtype=torch.int32, device=dev)
+        scp[:, :n, :kb] = sc.to(torch.int32)
+        scp = scp.reshape(c, n_pad // 64, 4, 2, 8, -1)             # c na w h g kb
+        pair = scp[:, :, :, 0] | (scp[:, :, :, 1] << 8)            # c na w g kb
+        pair = pair.reshape(c, n_pad // 2, -1)
+        scales[e0:e1, :, :pair.shape[2]] = torch.where(pair >= 2**15, pair - 2**16, pair).to(torch.int16)
     alpha = torch.zeros((num_e, n_pad), dtype=torch.float32, device=dev)
     alpha[:, :n] = float(2 ** SCALE_SHIFT) / gs
     if not lay.lead_shape and bool((gs == gs[0, 0]).all()):
