@@ -99,8 +99,9 @@ for _engine in CONFIGS.values():
     _engine.update({name: _engine["ours"] for name in CONFIG_ENV})
 BUILTIN = {"vllm": ("marlin", "humming"), "sglang": ("builtin",)}
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
-#: further prefill shapes (prompts x tokens): one chunk of 16384 tokens, half of one, four; ms per run of each
-PREFILL_SHAPES = ("16x1024", "8x1024", "64x1024")
+#: further prefill shapes (prompts x tokens), ms per run of each: one chunk of 16384 tokens, half of one, four; and
+#: the sweep's prompts alone, one and eight of them (what a served request's time to first token waits for)
+PREFILL_SHAPES = ("16x1024", "8x1024", "64x1024", "1x128", "8x128")
 #: the engine's first request (:func:`engine_first_request`): a prompt length no sweep shape uses, and a few tokens
 ENGINE_FIRST_PROMPT = 16
 ENGINE_FIRST_GEN = 8
