@@ -48,6 +48,7 @@ otherwise.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -235,6 +236,7 @@ def expand_scale_code(codes: torch.Tensor, act_dtype: torch.dtype) -> torch.Tens
 # Prepack / unpack
 # ----------------------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
 def _slot_words(act_dtype: torch.dtype) -> torch.Tensor:
     """int64 ``[8 * 16]``: entry ``16 * (4h + 2kh + e) + code`` is the word bits that ``code`` sets in
     slot ``(h, kh, e)`` of a word (the slots' bits are disjoint, so a word is the sum of its 8 slots)."""
@@ -310,8 +312,9 @@ def prepack(weight: Nvfp4Weight, act_dtype: torch.dtype = torch.bfloat16) -> Pac
         c = e1 - e0
         sc = encode_scale_codes(bscale[e0:e1])                    # [c, N, KB]
         codes = nx.unpack_fp4(packed[e0:e1])                       # [c, N, K]
-        zb = (sc == 0)[..., None].expand(c, n, kb, nx.NVFP4_BLOCK_SIZE).reshape(c, n, k)
-        blocks_nz = (codes.reshape(c, n, kb, nx.NVFP4_BLOCK_SIZE) != 0).any(-1) & (sc == 0)
+        zero = sc == 0
+        zb = zero[..., None].expand(c, n, kb, nx.NVFP4_BLOCK_SIZE).reshape(c, n, k)
+        blocks_nz = (codes.reshape(c, n, kb, nx.NVFP4_BLOCK_SIZE) != 0).any(-1) & zero
         if bool(blocks_nz.any()):
             idx = torch.nonzero(blocks_nz.reshape(-1)).reshape(-1)
             zero_blocks.append(idx + e0 * n * kb)
