@@ -834,7 +834,7 @@ def _shape_arg(shape: str) -> str:
     return shape
 
 
-def profiled(engine: str, config: str, only: list[str] | None) -> bool:
+def wants_profile(engine: str, config: str, only: list[str] | None) -> bool:
     """Whether ``--profile-configs`` (entries ``CONFIG`` or ``ENGINE:CONFIG``; None: all) takes this one."""
     return only is None or config in only or f"{engine}:{config}" in only
 
@@ -1053,7 +1053,7 @@ def run(a) -> int:
                "--mem-fraction", str(a.mem_fraction), "--max-model-len", str(a.max_model_len),
                "--repeats", str(a.repeats), "--prefill-repeats", str(a.prefill_repeats),
                "--tp", str(a.tp)] + (["--ep"] if a.ep else [])
-        if a.profile_batches and rnd == 0 and profiled(engine, config, a.profile_configs):
+        if a.profile_batches and rnd == 0 and wants_profile(engine, config, a.profile_configs):
             cmd += ["--profile-batches", *map(str, a.profile_batches)]
         if len(slots) > 1:
             cmd += ["--side-by-side", ",".join(slot)]
