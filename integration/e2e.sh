@@ -157,9 +157,9 @@ for s in "$@"; do
     ref)
       for name in llama qwen3_moe smollm2; do
         [ -d "$M/$name-modelopt" ] && { python3 integration/reference_logprobs.py --model "$M/$name-modelopt" \
-          --out "$R/$name-ref.json" > "$R/$name-ref.summary" 2>&1 || status=1; tail -c 400 "$R/$name-ref.summary"; }
-        [ -d "$M/$name-modelopt" ] && { python3 integration/reference_logprobs.py --model "$M/$name-modelopt" \
-          --dtype bfloat16 --out "$R/$name-ref-bf16.json" > "$R/$name-ref-bf16.summary" 2>&1 || status=1; }
+          --out "$R/$name-ref.json" > "$R/$name-ref.summary" 2>&1 || status=1; tail -c 400 "$R/$name-ref.summary"
+          python3 integration/reference_logprobs.py --model "$M/$name-modelopt" --dtype bfloat16 \
+          --out "$R/$name-ref-bf16.json" > "$R/$name-ref-bf16.summary" 2>&1 || status=1; }
         [ -d "$M/$name-bf16" ] && { python3 integration/reference_logprobs.py --model "$M/$name-bf16" \
           --out "$R/$name-bf16-ref.json" > "$R/$name-bf16-ref.summary" 2>&1 || status=1; }
       done ;;
