@@ -52,7 +52,9 @@ backends' own difference as the tolerance) and with bf16.
 With ``--gpus``, engine processes run side by side, one per ``--tp`` GPUs of the list, sharing the host's
 CPUs (each decode run records how busy the machine was outside its engine); the ``--serve`` servers too, each
 engine's once its own sweeps have ended (beside the other engine's), each on its slot's GPU and port (``--port``
-+ the slot's place). With ``--site ENGINE=DIR`` for each engine, one run takes both: each engine's processes
++ the slot's place); the two servers of an engine and model start together and, once both are up, measure in
+turn (each phase of one while the other waits: :class:`ServeTurns`), so neither is measured beside the other's
+start-up. With ``--site ENGINE=DIR`` for each engine, one run takes both: each engine's processes
 get their own bundle first on ``PYTHONPATH`` and never the other's, and SGLang's JIT prebuild runs in SGLang's
 environment while vLLM's configurations run (SGLang's wait for it).
 
@@ -63,6 +65,7 @@ end-to-end issue) and ``e2e.png`` (tokens/s against batch size).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import gzip
 import json
@@ -940,7 +943,65 @@ def first_request(r: dict) -> dict:
             "tokens": r["tokens"]}
 
 
-def serve_bench(a, engine: str, model: str, config: str, model_path: Path, env: dict, port: int | None = None) -> dict:
+class ServeTurns:
+    """The servers of one engine and model (ours and the best built-in, side by side on their own GPUs) take
+    turns once all of them are up: each phase of a server's measurement (its first request, then every
+    concurrency's warm-up and measured requests) runs while the other servers of the group wait, phase by
+    phase in the members' order. A server that is still starting (torch.compile, CUDA graph capture: ~10 of
+    the host's CPUs for one to two minutes) slows the host-bound part of a server measured beside it (TTFT,
+    the eager prefill steps, streaming): on 2026-11-28 ours' servers were measured while the built-in's were
+    starting, in both runs of the day, and only ours' TTFT carried that. A member that ends (done, failed, or
+    never started) leaves, and the others stop waiting for it; once ``abort()`` is true (the run is ending: a
+    member's job may never start) nobody waits."""
+
+    def __init__(self, members: list[str], abort=lambda: False):
+        self.members = list(members)
+        self._abort = abort
+        self._cond = threading.Condition()
+        self._ready: set[str] = set()
+        self._gone: set[str] = set()
+        self._done = dict.fromkeys(self.members, 0)
+
+    def _wait(self, pred) -> None:
+        while not (pred() or self._abort()):      # (abort is an outside event: looked at every second)
+            self._cond.wait(timeout=1.0)
+
+    def ready(self, who: str) -> None:
+        """``who``'s server is up: wait until every member's is (or that member has left)."""
+        with self._cond:
+            self._ready.add(who)
+            self._cond.notify_all()
+            self._wait(lambda: all(m in self._ready or m in self._gone for m in self.members))
+
+    @contextlib.contextmanager
+    def turn(self, who: str):
+        """``who``'s next phase, once every member before it has run its phase of the same number and every
+        member after it the phase before."""
+        me = self.members.index(who)
+        with self._cond:
+            k = self._done[who]
+            self._wait(lambda: all(self._done[m] >= k + (i < me) for i, m in enumerate(self.members)
+                                   if m != who and m not in self._gone))
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._done[who] += 1
+                self._cond.notify_all()
+
+    def leave(self, who: str) -> None:
+        with self._cond:
+            self._gone.add(who)
+            self._cond.notify_all()
+
+
+def serve_bench(a, engine: str, model: str, config: str, model_path: Path, env: dict, port: int | None = None,
+                turns: tuple[ServeTurns, str] | None = None) -> dict:
+    """``vllm serve`` / ``sglang.launch_server`` of ``config``: its first request after ready, then every
+    ``--concurrency`` (a warm-up pass, then the measured one). ``turns``: the group and member name this server
+    measures in turn with (:class:`ServeTurns`)."""
+    gate, who = turns if turns is not None else (None, "")
+    phase_turn = (lambda: gate.turn(who)) if gate is not None else contextlib.nullcontext
     sys.path.insert(0, str(ROOT / "integration"))
     from serve_check import healthy, server_command, stop_server
 
@@ -960,10 +1021,13 @@ def serve_bench(a, engine: str, model: str, config: str, model_path: Path, env: 
                 return res
             time.sleep(2)
         res["startup_s"] = round(time.time() - t0, 1)
+        if gate is not None:
+            gate.ready(who)
         prompts = Prompts(tokenizer_vocab(model_path), seed=1)
         # what a user's first request meets once the server says it is ready (set against the requests of
         # concurrency 1's measured phase: the same shape)
-        res["first_request"] = first_request(stream_completion(port, prompts(1, a.prompt_len)[0], a.gen_len))
+        with phase_turn():
+            res["first_request"] = first_request(stream_completion(port, prompts(1, a.prompt_len)[0], a.gen_len))
         for c in a.concurrency:
             for phase in ("warmup", "measure"):
                 jobs = [prompts(1, a.prompt_len)[0] for _ in range(c * a.requests_per_client)]
@@ -976,17 +1040,21 @@ def serve_bench(a, engine: str, model: str, config: str, model_path: Path, env: 
                             out.append(r)
 
                 threads = [threading.Thread(target=client, args=(i,)) for i in range(c)]
-                t = time.perf_counter()
-                for th in threads:
-                    th.start()
-                for th in threads:
-                    th.join()
+                with phase_turn():
+                    t = time.perf_counter()
+                    for th in threads:
+                        th.start()
+                    for th in threads:
+                        th.join()
+                    wall = time.perf_counter() - t
                 if phase == "measure":
-                    res["concurrency"][str(c)] = latency_stats(out, time.perf_counter() - t)
+                    res["concurrency"][str(c)] = latency_stats(out, wall)
                     print(f"[serve {engine} {config}] concurrency {c}: {res['concurrency'][str(c)]}", flush=True)
     except Exception as exc:  # noqa: BLE001
         res["error"] = f"{type(exc).__name__}: {exc}"
     finally:
+        if gate is not None:
+            gate.leave(who)
         stop_server(proc)
         log.close()
     return res
@@ -1079,20 +1147,35 @@ def run(a) -> int:
     ended = threading.Condition()
     failed = threading.Event()
 
+    # side by side (--gpus), the two servers of an engine and model measure in turn (ServeTurns); their two jobs
+    # are adjacent in the job list, so the second one takes the next slot that frees
+    turns = {key: ServeTurns(["ours", "best"], abort=failed.is_set) for key in
+             ((e, m) for e in (a.serve_engines or a.engines) for m in (a.serve_models or a.models))} \
+        if a.serve and len(slots) > 1 else {}
+
     def serve_job(engine: str, model: str, which: str, slot: list[str] | None) -> None:
         """ours' or the best built-in's server, once every sweep of its engine and model has ended (the best
         built-in is read from their results), on its slot's GPU and port, beside the jobs still running."""
+        gate = turns.get((engine, model))
         with ended:
             ended.wait_for(lambda: left.get((engine, model), 0) <= 0)
-        if failed.is_set():      # a job of another slot raised: the run ends, no server starts
-            return
-        config = "ours" if which == "ours" else best_builtin(load_results(out), engine, model)
-        if config is None:
-            print(f"=== serve {engine} {model}: no built-in result to serve", flush=True)
+        config = None if failed.is_set() else "ours" if which == "ours" else best_builtin(load_results(out), engine,
+                                                                                         model)
+        if config is None:       # a job of another slot raised (the run ends), or no built-in to serve
+            if gate is not None:
+                gate.leave(which)
+            if not failed.is_set():
+                print(f"=== serve {engine} {model}: no built-in result to serve", flush=True)
             return
         path = paths[model][CONFIGS[engine][config][0]]
         print(f"=== serve {engine} {model} {config}{on_gpu(slot)}", flush=True)
-        res = serve_bench(a, engine, model, config, path, slot_env(envs[engine], slot), port=a.port + slots.index(slot))
+        kw = {"turns": (gate, which)} if gate is not None else {}
+        try:
+            res = serve_bench(a, engine, model, config, path, slot_env(envs[engine], slot),
+                              port=a.port + slots.index(slot), **kw)
+        finally:                 # (serve_bench leaves when it ends; this covers a raise before its server starts)
+            if gate is not None:
+                gate.leave(which)
         res["layers"] = checkpoint_layers(path)
         (out / f"serve-{engine}-{model}-{config}.json").write_text(json.dumps(res, indent=1))
 

@@ -996,11 +996,14 @@ def test_one_run_takes_both_engines_side_by_side_and_serves_side_by_side(tmp_pat
     monkeypatch.setattr(E.subprocess, "Popen", FakePrebuild)
     monkeypatch.setattr(E, "checkpoint_layers", lambda path: None)
 
-    def fake_serve(a, engine, model, config, path, env, port=None):
+    def fake_serve(a, engine, model, config, path, env, port=None, turns=None):
+        gate, who = turns
+        assert who == ("ours" if config == "ours" else "best")
         with lock:
             served.append((engine, config, env["CUDA_VISIBLE_DEVICES"], port, env["PYTHONPATH"].split(os.pathsep)[0]))
             events.append(("serve", f"serve {engine}-{config}", None))
         time.sleep(0.05)
+        gate.leave(who)
         return {"engine": engine, "model": model, "config": config}
 
     monkeypatch.setattr(E, "serve_bench", fake_serve)
@@ -1116,3 +1119,109 @@ def test_profile_configs_names_the_configurations_profiled(tmp_path, monkeypatch
     assert all("--profile-batches" in c for c in cmds) and len(cmds) == 2        # default: every one
     with pytest.raises(SystemExit, match="--profile-configs sglang:humming: no such configuration"):
         E.main(["run", "--out", str(tmp_path / "c"), "--profile-configs", "sglang:humming"])
+
+
+def test_serve_turns_run_each_phase_once_every_server_is_up_in_member_order():
+    """The two servers of an engine and model: no phase before both are up, then ours' phase k, the built-in's
+    phase k, ours' phase k + 1, ... whatever each thread's own pace."""
+    gate = E.ServeTurns(["ours", "best"])
+    log, lock = [], threading.Lock()
+
+    def member(who, start_s, phase_s):
+        time.sleep(start_s)
+        with lock:
+            log.append((who, "up"))
+        gate.ready(who)
+        for k in range(3):
+            with gate.turn(who):
+                with lock:
+                    log.append((who, k))
+                time.sleep(phase_s)
+        gate.leave(who)
+
+    threads = [threading.Thread(target=member, args=("ours", 0.0, 0.01)),
+               threading.Thread(target=member, args=("best", 0.15, 0.03))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert log[:2] == [("ours", "up"), ("best", "up")]
+    assert log[2:] == [("ours", 0), ("best", 0), ("ours", 1), ("best", 1), ("ours", 2), ("best", 2)]
+
+
+def test_serve_turns_stop_waiting_for_a_member_that_left_or_a_run_that_failed():
+    gate = E.ServeTurns(["ours", "best"])
+    gate.leave("best")                     # its server never came up (or no built-in to serve)
+    gate.ready("ours")
+    for _ in range(3):
+        with gate.turn("ours"):
+            pass
+    failed = threading.Event()
+    gate = E.ServeTurns(["ours", "best"], abort=failed.is_set)
+    done = threading.Event()
+
+    def ours():
+        gate.ready("ours")                 # "best" never starts: the run is ending
+        done.set()
+
+    t = threading.Thread(target=ours)
+    t.start()
+    assert not done.wait(0.3)
+    failed.set()
+    assert done.wait(5)
+    t.join()
+
+
+def test_side_by_side_servers_of_one_model_measure_in_turn(tmp_path, monkeypatch):
+    """--gpus with --serve: ours' and the best built-in's servers start side by side, and each measured phase
+    (first request, every concurrency's warm-up and measurement) runs while the other server waits."""
+    import sys
+    import types
+
+    phases, lock = [], threading.Lock()
+
+    class Proc:
+        def __init__(self, cmd, **kw):
+            self.port = int(cmd[cmd.index("--port") + 1])
+
+        def poll(self):
+            return None
+
+    up_at = {}
+
+    def healthy(port):
+        up_at.setdefault(port, time.time() + (0.0 if port == 9000 else 0.3))   # ours' server is up first
+        return time.time() >= up_at[port]
+
+    def fake_stream(port, prompt, gen):
+        with lock:
+            phases.append(port)
+        time.sleep(0.01)
+        return {"chunk_times": [0.01, 0.02], "tokens": 2}
+
+    monkeypatch.setitem(sys.modules, "serve_check", types.SimpleNamespace(
+        healthy=healthy, stop_server=lambda proc: None, server_command=lambda *a, **k: ["srv", "--port", str(a[2])]))
+    monkeypatch.setattr(E.subprocess, "Popen", Proc)
+    monkeypatch.setattr(E, "stream_completion", fake_stream)
+    monkeypatch.setattr(E, "tokenizer_vocab", lambda path: 64)
+    monkeypatch.setattr(E, "checkpoint_layers", lambda path: None)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    _offline_run(monkeypatch)
+
+    def fake_run(cmd, **kw):
+        config = cmd[cmd.index("--config") + 1]
+        with open(cmd[cmd.index("--out") + 1], "w") as f:
+            json.dump(_result(config, {1: {"ours": 130.0, "marlin": 100.0}[config]}), f)
+
+    monkeypatch.setattr(E.subprocess, "run", fake_run)
+    E.main(["run", "--out", str(tmp_path), "--models", "dense", "--configs", "ours", "marlin", "--gpus", "0", "1",
+            "--serve", "--port", "9000", "--concurrency", "1", "2", "--requests-per-client", "1"])
+    ports = sorted(set(phases))
+    assert len(ports) == 2
+    # runs of one server's requests, in order: first request, then warm-up and measurement of concurrency 1 and 2
+    runs = [p for i, p in enumerate(phases) if i == 0 or phases[i - 1] != p]
+    sizes = [1, 1, 1, 2, 2]                              # requests per phase
+    assert runs == [runs[0], runs[1]] * len(sizes)
+    for config in ("ours", "marlin"):
+        res = json.loads((tmp_path / f"serve-vllm-dense-{config}.json").read_text())
+        assert "error" not in res and res["concurrency"]["2"]["requests"] == 2
