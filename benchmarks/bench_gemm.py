@@ -1,4 +1,4 @@
-"""Hopper FP4-weight GEMMs vs bf16 cuBLAS / torch._grouped_mm (and vLLM Marlin FP4 if importable).
+"""Hopper FP4-weight GEMMs vs bf16 cuBLAS / torch._grouped_mm (and vLLM's Marlin and Humming FP4 if importable).
 
 One command on the H200 (about 3-5 minutes)::
 
@@ -7,7 +7,9 @@ One command on the H200 (about 3-5 minutes)::
 Tables (printed, and written as markdown + JSON under ``--out``):
   * dense: (N, K) in the five issue shapes x M in {1, 4, 16, 64, 256, 1024, 4096}: our time, cuBLAS
     bf16 ``torch.mm`` on the same (dequantized) weights, speedup, and our achieved weight bandwidth
-    (packed bytes read / time) as a fraction of the measured device-to-device copy bandwidth;
+    (packed bytes read / time) as a fraction of the measured device-to-device copy bandwidth; with vLLM on
+    the path (its bundle) also vLLM's Marlin and Humming NVFP4 GEMMs on the same weight (each checked against
+    ours first: ``*_rel_err_vs_ours``);
   * grouped: Qwen3-30B-A3B-like (E=128, top-8, H=2048, I=768) and DeepSeek-V3-like (E=256, top-8,
     H=7168, I=2048) up (gate+up, N=2I) and down projections, tokens in {1, 4, ..., 4096}, same
     routing for both, vs ``torch._grouped_mm`` bf16 (``offs`` = int32 cumulative row ends,
@@ -167,15 +169,51 @@ class _MarlinDense:
                                                size_n=self.n, size_k=self.k, bias=None)
 
 
-def marlin_or_reason(p: PackedW4Weight):
+class _HummingDense:
+    """vLLM's NVFP4 Humming GEMM (``--linear-backend humming``, the fastest built-in dense backend on the H200 at
+    most batch sizes) on a canonical weight, set up as vLLM's NVFP4 linear schemes hand it over: packed codes as
+    ``weight``, linear e4m3 block scales, the decode global scale ``1 / global_scale`` (0-dim); then the kernel
+    class's own ``process_weights_after_loading`` and ``apply_weights``. Raises if vLLM (with its ``humming``
+    package) or that API is not importable."""
+
+    def __init__(self, packed_canonical, block_scale, global_scale_decode, n, k):
+        from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearLayerConfig
+        from vllm.model_executor.kernels.linear.nvfp4.humming import HummingNvFp4LinearKernel
+
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(packed_canonical, requires_grad=False)
+        layer.weight_scale = torch.nn.Parameter(block_scale, requires_grad=False)
+        layer.weight_global_scale = torch.nn.Parameter(global_scale_decode.reshape(()), requires_grad=False)
+        layer.input_size = layer.input_size_per_partition = k
+        layer.output_size_per_partition = n
+        layer.output_partition_sizes = [n]
+        layer.params_dtype = torch.bfloat16
+        layer.has_bias = False
+        self.kernel = HummingNvFp4LinearKernel(NvFp4LinearLayerConfig())
+        self.kernel.process_weights_after_loading(layer)
+        self.layer = layer
+
+    def __call__(self, x):
+        return self.kernel.apply_weights(self.layer, x)
+
+
+def _peer_or_reason(cls, p: PackedW4Weight):
     try:
         from nvfp4_plugin.gemm.layout import unpack
         w = unpack(p)
-        gs_dec = (1.0 / w.global_scale.reshape(-1)[:1]).to(torch.float32)  # one tensor scale (Marlin's model)
-        return _MarlinDense(w.packed.reshape(p.layout.n, -1), w.block_scale.reshape(p.layout.n, -1), gs_dec,
-                            p.layout.n, p.layout.k), None
+        gs_dec = (1.0 / w.global_scale.reshape(-1)[:1]).to(torch.float32)  # one tensor scale (the peers' model)
+        return cls(w.packed.reshape(p.layout.n, -1), w.block_scale.reshape(p.layout.n, -1), gs_dec,
+                   p.layout.n, p.layout.k), None
     except Exception as exc:  # vLLM absent or API drift: skip cleanly
         return None, f"{type(exc).__name__}: {str(exc)[:120]}"
+
+
+def marlin_or_reason(p: PackedW4Weight):
+    return _peer_or_reason(_MarlinDense, p)
+
+
+def humming_or_reason(p: PackedW4Weight):
+    return _peer_or_reason(_HummingDense, p)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,7 +331,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def bench_dense(copy_bw: float, with_marlin: bool, ms=DENSE_M, shapes=DENSE_SHAPES):
+def bench_dense(copy_bw: float, with_peers: bool, ms=DENSE_M, shapes=DENSE_SHAPES):
     rows = []
     for (n, k) in shapes:
         p0 = random_packed((), n, k, seed=n + k)
@@ -303,7 +341,8 @@ def bench_dense(copy_bw: float, with_marlin: bool, ms=DENSE_M, shapes=DENSE_SHAP
         w16 = bf16_weights(p0)[0]
         r16 = copies_for(w16.numel() * 2, cap=8)
         w16s = [w16] + [w16.clone() for _ in range(1, r16)]
-        marlin, why = (marlin_or_reason(p0) if with_marlin else (None, "not requested"))
+        peers = {name: (make(p0) if with_peers else (None, "not requested"))
+                 for name, make in (("marlin", marlin_or_reason), ("humming", humming_or_reason))}
         for m in ms:
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
             cfg = select_config("dense", m, n, k)
@@ -316,17 +355,22 @@ def bench_dense(copy_bw: float, with_marlin: bool, ms=DENSE_M, shapes=DENSE_SHAP
                        weight_TBps=nbytes / t_ours / 1e12, frac_copy_bw=nbytes / t_ours / copy_bw,
                        rel_err_vs_bf16=err, config=cfg.to_json(),
                        kernel="cuBLAS" if cfg.dequant_mm else ("gluon" if cfg.gluon else "triton"))
-            if marlin is not None:
-                try:
-                    t_m = time_calls([lambda: marlin(x)], fill_ms=4)
-                    row.update(marlin_us=t_m * 1e6, speedup_vs_marlin=t_m / t_ours)
-                except Exception as exc:
-                    row.update(marlin_error=str(exc)[:120])
-            elif with_marlin:
-                row.update(marlin_skipped=why)
+            for name, (peer, why) in peers.items():
+                if peer is not None:
+                    try:
+                        # the same weight as ours' first copy: a peer set up wrong shows as an error, not a time
+                        perr = rel_err(peer(x), w4_linear(x, p0))
+                        t_p = time_calls([lambda peer=peer: peer(x)], fill_ms=4)
+                        row.update({f"{name}_us": t_p * 1e6, f"speedup_vs_{name}": t_p / t_ours,
+                                    f"{name}_rel_err_vs_ours": perr})
+                    except Exception as exc:
+                        row[f"{name}_error"] = str(exc)[:120]
+                elif with_peers:
+                    row[f"{name}_skipped"] = why
             rows.append(row)
+            peer_us = "".join(f"  {name} {row[f'{name}_us']:9.1f} us" for name in peers if f"{name}_us" in row)
             print(f"dense N={n:6d} K={k:6d} M={m:5d}: ours {t_ours * 1e6:9.1f} us  cuBLAS {t_base * 1e6:9.1f} us  "
-                  f"x{t_base / t_ours:5.2f}  {row['frac_copy_bw']:.2f} of copy BW  err {err:.1e}", flush=True)
+                  f"x{t_base / t_ours:5.2f}  {row['frac_copy_bw']:.2f} of copy BW  err {err:.1e}{peer_us}", flush=True)
         del packs, w16s, w16
         torch.cuda.empty_cache()
     return rows
@@ -435,8 +479,8 @@ def markdown(meta, dense, grouped, masked) -> str:
         s += "## Dense (vs torch.mm bf16, cuBLAS)\n\n" + _md_table(dense, [
             ("N", "N"), ("K", "K"), ("M", "M"), ("ours us", "ours_us"), ("cuBLAS us", "cublas_us"),
             ("speedup", "speedup"), ("weight TB/s", "weight_TBps"), ("of copy BW", "frac_copy_bw"),
-            ("kernel", "kernel"), ("Marlin us", "marlin_us"),
-            ("vs Marlin", "speedup_vs_marlin")]) + "\n"
+            ("kernel", "kernel"), ("Marlin us", "marlin_us"), ("vs Marlin", "speedup_vs_marlin"),
+            ("Humming us", "humming_us"), ("vs Humming", "speedup_vs_humming")]) + "\n"
     if grouped:
         s += "## Grouped by expert offsets (vs torch._grouped_mm bf16, same routing)\n\n" + _md_table(grouped, [
             ("model", "model"), ("proj", "proj"), ("N", "N"), ("K", "K"), ("tokens", "tokens"),
@@ -482,6 +526,13 @@ def make_plan(args) -> dict:
                     max_m=MASKED_MAX_M)
     if args.dense_m:
         plan["dense_m"] = [int(v) for v in args.dense_m.split(",")]
+    if args.dense_shapes:
+        try:
+            plan["dense_shapes"] = [tuple(int(d) for d in v.split("x")) for v in args.dense_shapes.split(",")]
+        except ValueError:
+            raise SystemExit(f"bench_gemm: --dense-shapes {args.dense_shapes}: expected NxK[,NxK...], e.g. 6144x4096")
+        if any(len(t) != 2 for t in plan["dense_shapes"]):
+            raise SystemExit(f"bench_gemm: --dense-shapes {args.dense_shapes}: expected NxK[,NxK...], e.g. 6144x4096")
     if args.tokens:
         plan["tokens"] = [int(v) for v in args.tokens.split(",")]
     if args.skip_dense:
@@ -499,8 +550,11 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-dense", action="store_true")
     ap.add_argument("--skip-grouped", action="store_true")
     ap.add_argument("--skip-masked", action="store_true")
-    ap.add_argument("--no-marlin", action="store_true")
+    ap.add_argument("--no-marlin", action="store_true", help="skip the vLLM peers (Marlin and Humming)")
     ap.add_argument("--dense-m", default=None, help="comma-separated dense M values (default: the issue's)")
+    ap.add_argument("--dense-shapes", default=None, metavar="NxK,...",
+                    help="dense weight shapes, e.g. 6144x4096,4096x4096,28672x4096,4096x14336 (Llama-3-8B's; "
+                         "default: the issue's five)")
     ap.add_argument("--tokens", default=None, help="comma-separated grouped token counts (default: the issue's)")
     ap.add_argument("--no-precompile", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs on the CPU interpreter too): checks the script")

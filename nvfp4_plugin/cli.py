@@ -279,7 +279,7 @@ def check(args) -> int:
 #: ``nvfp4-plugin bench STUDY`` -> the module of ``benchmarks/`` and the arguments that come first.
 BENCH_STUDIES = {
     "e2e": ("benchmarks.bench_e2e", ("run",)),          # served tokens/s, ours vs the engines' NVFP4 and bf16
-    "gemm": ("benchmarks.bench_gemm", ()),              # FP4-weight GEMMs vs cuBLAS, torch._grouped_mm, Marlin
+    "gemm": ("benchmarks.bench_gemm", ()),              # FP4-weight GEMMs vs cuBLAS, torch._grouped_mm, Marlin, Humming
     "quant": ("benchmarks.bench_quant", ()),            # compiled quantizers vs device copy and the peers
     "triton-quant": ("benchmarks.bench_triton_quant", ()),  # Triton MX / NVFP4 quantizers
     "quantize": ("benchmarks.bench_quantize", ()),      # the offline quantizer on the 8B shape
