@@ -316,6 +316,19 @@ def gluon_tail(rows: int):
         S.clear_cache()
 
 
+@contextlib.contextmanager
+def gluon_gather(on: bool):
+    """Selection with ``select.GLUON_GATHER = on`` inside: the up projection's rows gathered in the Gluon
+    kernel instead of copied into expert order first."""
+    from nvfp4_plugin.gemm import select as S
+    old = S.GLUON_GATHER
+    S.GLUON_GATHER = on
+    try:
+        yield
+    finally:
+        S.GLUON_GATHER = old
+
+
 def sustained(model: dict, tokens: int, with_vllm: bool) -> str:
     e, top_k, h, inter = model["E"], model["top_k"], model["H"], model["I"]
     p13, p2 = _weights(model, "cuda")
@@ -343,6 +356,18 @@ def sustained(model: dict, tokens: int, with_vllm: bool) -> str:
         with gluon_tail(0):
             return w4_fused_moe(x, p13, p2, w, ids)
     add("layer, ours", "short last tiles not split off (GLUON_TAIL_BM 0)", one_launch)
+
+    def gathered(fn):
+        def run():
+            with gluon_gather(True):
+                return fn()
+        return run
+    add("layer, ours", "rows gathered in the kernel (GLUON_GATHER)", gathered(lambda: w4_fused_moe(x, p13, p2, w, ids)))
+    up_routed = lambda: w4_grouped(x, p13, rt["expert_offsets"], gather_idx=rt["gather_idx"],  # noqa: E731
+                                   gather_pos=rt["pair_pos"])
+    with gluon_gather(False):
+        add("up projection of the routed tokens", "rows copied into expert order, then the GEMM", up_routed)
+    add("up projection of the routed tokens", "rows gathered in the kernel (GLUON_GATHER)", gathered(up_routed))
     peer, reason = _vllm_bf16() if with_vllm else (None, "off")
     w13_16, w2_16 = BG.bf16_weights(p13), BG.bf16_weights(p2)
     if peer is not None:

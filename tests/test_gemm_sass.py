@@ -208,3 +208,43 @@ def test_sm90_sass_gluon(cfg, mode, tail, bm_main, fp16):
     # fixup: one counter increment and one reset per tile, outside the K loop; no atomics otherwise
     assert r["atoms"] == (2 if cfg.get("fixup") else 0), r
     assert r["loop_ops"].get("ATOMG", 0) == 0, r
+
+
+GATHER_SCRIPT = r"""
+import collections, json, sys
+from nvfp4_plugin.gemm import W4Config
+from nvfp4_plugin.gemm import inspect_sass as I
+cfg = W4Config.from_json(json.loads(sys.argv[1]))
+ck = I.compile_gluon_gather(cfg, fp16=sys.argv[2] == "1", tail=int(sys.argv[3]), bm_main=int(sys.argv[4]))
+s = I.summary(ck)
+sass = I.sass_text(ck)
+body = I._wgmma_loop_body(sass)
+ops = collections.Counter(t.split()[0].split(".")[0] for _, t in I._instructions(sass))
+loop = collections.Counter(t.split()[0].split(".")[0] for _, t in body)
+print(json.dumps(dict(local=s["local"], hgmma=s["hgmma"], loop_ops=loop, ops=ops, hazards=s["rs_wgmma_hazards"],
+                      shared=s["shared"], threads=ck.metadata.num_warps * 32,
+                      regs=max(int(r) for r in __import__("re").findall(r"\bR(\d+)\b", sass)) + 1)))
+"""
+
+GATHER_CASES = [(dict(bn=64, bm=256, bk=64, num_warps=4, num_stages=3, gluon=True, tail_bm=64), 1, 0),
+                (dict(bn=64, bm=64, bk=64, num_warps=4, num_stages=4, gluon=True), 2, 256),
+                (dict(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, gluon=True), 0, 0)]
+
+
+@pytest.mark.parametrize("cfg,tail,bm_main", GATHER_CASES, ids=["bm256_tail1", "bm64_tail2", "bm128"])
+@pytest.mark.parametrize("fp16", [False, True], ids=["bf16", "fp16"])
+def test_sm90_sass_gluon_gather(cfg, tail, bm_main, fp16):
+    """The grouped kernel that gathers its rows (gluon_w4.w4_gather_kernel): 384 threads under the launch budget
+    of one program per SM (maxnreg 168, each partition's registers set by setmaxnreg) with nothing spilled;
+    the routed rows come by cp.async (LDGSTS) and never by TMA; the consumers' loop keeps today's register-A
+    wgmmas with no write to an operand still in flight, and no shared-memory store of its own."""
+    r = _compile_in_subprocess(GATHER_SCRIPT, json.dumps(cfg), str(int(fp16)), str(tail), str(bm_main))
+    assert r["threads"] == 384, r
+    assert r["local"] == 0, r
+    assert r["ops"].get("USETMAXREG", 0) > 0, r                  # registers moved between the partitions
+    assert r["regs"] <= 208, r                                   # the consumers' share after setmaxnreg
+    assert r["ops"].get("LDGSTS", 0) > 0 and r["ops"].get("UTMALDG", 0) == 0, r
+    assert r["shared"] <= 227 * 1024, r
+    assert r["hgmma"] > 0 and r["loop_ops"].get("HGMMA", 0) > 0 and r["loop_ops"].get("HMUL2", 0) > 0, r
+    assert r["loop_ops"].get("STS", 0) == 0 and r["loop_ops"].get("STSM", 0) == 0, r
+    assert r["hazards"] == [], r["hazards"]
