@@ -181,6 +181,20 @@ def _g_store_y(out, y_ptr, bias_ptr, offs_m, offs_n, n_ok, mask, stride_ym, st_l
     gl.store(ptrs, res.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@gluon.constexpr_function
+def _g_layouts(BM, num_warps):
+    """The kernels' register layouts for ``num_warps`` warps (one warpgroup per 64 weight rows) and ``BM``-row x
+    tiles: the wgmma accumulator, its register A operand (the decoded weights), the weight words' loads, and
+    the stores' (8 consecutive n per thread: 16-byte vectors and few 64-bit addresses, where the wgmma
+    fragment's 2 values per thread per row pair spill at bm=256)."""
+    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BM, 16])
+    return (mma, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+            gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 8, 4], warps_per_cta=[1, num_warps, 1],
+                             order=[2, 1, 0]),
+            gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4], warps_per_cta=[1, num_warps],
+                             order=[0, 1]))
+
+
 @gluon.jit
 def _g_operands(q_ptr, s_ptr, alpha_ptr, e, pid_n, step0, N, stride_qe, stride_qn, stride_se, stride_sn, stride_ae,
                 BN: gl.constexpr, BK: gl.constexpr, mma: gl.constexpr, wl: gl.constexpr, st_l: gl.constexpr):
@@ -262,15 +276,10 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, cn
     more than BM/2 of its rows are the expert's; 2 (tiles of BM < BM_MAIN rows) the rows that TAIL 1 with
     BM_MAIN left out: an expert's last at most BM_MAIN/2 rows. A tile computes all its rows whether the
     expert has them or not, so a short last tile of 256 rows costs as much as a full one."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BM, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    wl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 8, 4],
-                                        warps_per_cta=[1, num_warps, 1], order=[2, 1, 0])
-    # Stores from a layout with 8 consecutive n per thread (16-byte vectors, few 64-bit addresses)
-    # instead of the wgmma fragment (2 values per thread per row pair: spills at bm=256).
-    st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4], warps_per_cta=[1, num_warps],
-                                          order=[0, 1])
+    mma: gl.constexpr = _g_layouts(BM, num_warps)[0]
+    a_layout: gl.constexpr = _g_layouts(BM, num_warps)[1]
+    wl: gl.constexpr = _g_layouts(BM, num_warps)[2]
+    st_l: gl.constexpr = _g_layouts(BM, num_warps)[3]
     steps = K_pad // BK
     if MODE == 0:
         pid = gl.program_id(0)
@@ -382,12 +391,10 @@ def _g_gather_consumer(c: gl.constexpr, q_ptr, s_ptr, alpha_ptr, y_ptr, actscale
                        HAS_ROWSCALE: gl.constexpr, PF: gl.constexpr, TAIL: gl.constexpr, BM_MAIN: gl.constexpr):
     """Consumer warpgroup ``c``: the tiles of grouped program ``2 * program_id(1) + c`` from its ring."""
     NW: gl.constexpr = 4
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    wl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 8, 4],
-                                        warps_per_cta=[1, NW, 1], order=[2, 1, 0])
-    st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4], warps_per_cta=[1, NW],
-                                          order=[0, 1])
+    mma: gl.constexpr = _g_layouts(BM, NW)[0]
+    a_layout: gl.constexpr = _g_layouts(BM, NW)[1]
+    wl: gl.constexpr = _g_layouts(BM, NW)[2]
+    st_l: gl.constexpr = _g_layouts(BM, NW)[3]
     num_k = K_pad // BK
     pid_n = gl.program_id(0)
     e, lo, hi, first, n = _g_gather_rows(aux_ptr, 2 * gl.program_id(1) + c, M_SPLIT, NPE, BM, TAIL, BM_MAIN)
