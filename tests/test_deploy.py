@@ -90,6 +90,15 @@ def test_gathering_grouped_kernel_is_planned_for_the_up_projection_only_when_on(
     kinds = {(up[0], down[0]) for _, _, (up, down) in plan.fused_moe_variants(128, 2048, 768, 8, 16384,
                                                                              dev_key="NVIDIA_H200")}
     assert ("grouped-gluon-gather", "grouped-gluon") in kinds and all(d != "grouped-gluon-gather" for _, d in kinds)
+    # NVFP4_PLUGIN_GLUON_GATHER overrides the package's default either way; anything but 1 / 0 is refused by name
+    monkeypatch.setenv("NVFP4_PLUGIN_GLUON_GATHER", "0")
+    assert "gathered" not in str(fams(16384))
+    monkeypatch.setattr(select, "GLUON_GATHER", False)
+    monkeypatch.setenv("NVFP4_PLUGIN_GLUON_GATHER", "1")
+    assert "gathered" in fams(16384)[-1][2]
+    monkeypatch.setenv("NVFP4_PLUGIN_GLUON_GATHER", "yes")
+    with pytest.raises(ValueError, match="NVFP4_PLUGIN_GLUON_GATHER: expected 1 or 0, got 'yes'"):
+        fams(16384)
 
 
 @pytest.mark.parametrize("cap", ["10.0", "10.3"])

@@ -319,9 +319,9 @@ def _dense_variant(m: int, lay, cfg: W4Config, sms: int, gluon_mod=False) -> tup
 
 
 def _gathers(g, lay, cfg: W4Config) -> bool:
-    """Whether the Gluon grouped launch of ``cfg`` gathers its rows in the kernel (``select.GLUON_GATHER``)."""
+    """Whether the Gluon grouped launch of ``cfg`` gathers its rows in the kernel (``select.gluon_gather()``)."""
     tail = tail_config(cfg)
-    return select.GLUON_GATHER and g.gather_ok(lay, cfg) and (tail is None or g.gather_ok(lay, tail))
+    return select.gluon_gather() and g.gather_ok(lay, cfg) and (tail is None or g.gather_ok(lay, tail))
 
 
 def _grouped_variant(rows: int, num_e: int, cfg: W4Config, gluon_mod=False, lay=None) -> tuple:

@@ -343,7 +343,15 @@ GLUON_TAIL_BM = 64
 #: of copying them into expert order first (``moe_glue.spread_rows``: ~5.5% of a Qwen3 layer at 8192-16384
 #: tokens). Off until measured on the H200: the same bytes out is checked by the GPU tests, the time by
 #: ``bench_moe --sustained`` (NOTES.md, "Gathering the routed rows by a producer warp").
+#: ``NVFP4_PLUGIN_GLUON_GATHER`` overrides it (:func:`gluon_gather`).
 GLUON_GATHER = False
+
+
+def gluon_gather() -> bool:
+    """Whether grouped Gluon launches with gathered rows use the gathering kernel: ``NVFP4_PLUGIN_GLUON_GATHER``
+    where set, else :data:`GLUON_GATHER`."""
+    on = envs.gluon_gather()
+    return GLUON_GATHER if on is None else on
 
 
 def grouped_tail_bm(rows: int) -> int:
