@@ -30,8 +30,10 @@ beyond the device time goes.
 without the direct kernel launches and a cProfile of the calls (top functions by own and cumulative time).
 
 ``--sustained T`` times ``T`` tokens after seconds of load instead, when the GPU runs at its power cap:
-the layer (ours; vLLM's and SGLang's bf16 fused MoE where importable) and the two grouped GEMMs under the
-selected config and a few other Gluon tiles, beside ``torch._grouped_mm`` on the same weights in bf16; burst
+the layer (ours; ours with the up projection's rows gathered in the kernel, ``select.GLUON_GATHER``; vLLM's and
+SGLang's bf16 fused MoE where importable), the up projection of the routed tokens with the rows copied into
+expert order against gathered in the kernel, and the two grouped GEMMs under the selected config and a few
+other Gluon tiles, beside ``torch._grouped_mm`` on the same weights in bf16; burst
 (about 30 ms of replays on a rested GPU) and sustained (after 1.5 s of load) µs per call. Short CUDA-graph
 timings rank kernels at boost clock; served prefill runs at the cap.
 
@@ -319,7 +321,7 @@ def gluon_tail(rows: int):
 @contextlib.contextmanager
 def gluon_gather(on: bool):
     """Selection with ``select.GLUON_GATHER = on`` inside: the up projection's rows gathered in the Gluon
-    kernel instead of copied into expert order first."""
+    kernel instead of copied into expert order first (``NVFP4_PLUGIN_GLUON_GATHER``, where set, wins)."""
     from nvfp4_plugin.gemm import select as S
     old = S.GLUON_GATHER
     S.GLUON_GATHER = on
