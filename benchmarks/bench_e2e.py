@@ -1159,23 +1159,21 @@ def run(a) -> int:
         """ours' or the best built-in's server, once every sweep of its engine and model has ended (the best
         built-in is read from their results), on its slot's GPU and port, beside the jobs still running."""
         gate = turns.get((engine, model))
-        with ended:
-            ended.wait_for(lambda: left.get((engine, model), 0) <= 0)
-        config = None if failed.is_set() else "ours" if which == "ours" else best_builtin(load_results(out), engine,
-                                                                                         model)
-        if config is None:       # a job of another slot raised (the run ends), or no built-in to serve
-            if gate is not None:
-                gate.leave(which)
-            if not failed.is_set():
-                print(f"=== serve {engine} {model}: no built-in result to serve", flush=True)
-            return
-        path = paths[model][CONFIGS[engine][config][0]]
-        print(f"=== serve {engine} {model} {config}{on_gpu(slot)}", flush=True)
-        kw = {"turns": (gate, which)} if gate is not None else {}
         try:
+            with ended:
+                ended.wait_for(lambda: left.get((engine, model), 0) <= 0)
+            if failed.is_set():      # a job of another slot raised: the run ends, no server starts
+                return
+            config = "ours" if which == "ours" else best_builtin(load_results(out), engine, model)
+            if config is None:
+                print(f"=== serve {engine} {model}: no built-in result to serve", flush=True)
+                return
+            path = paths[model][CONFIGS[engine][config][0]]
+            print(f"=== serve {engine} {model} {config}{on_gpu(slot)}", flush=True)
+            kw = {"turns": (gate, which)} if gate is not None else {}
             res = serve_bench(a, engine, model, config, path, slot_env(envs[engine], slot),
                               port=a.port + slots.index(slot), **kw)
-        finally:                 # (serve_bench leaves when it ends; this covers a raise before its server starts)
+        finally:                     # whichever way this job ends, the other server of its pair stops waiting
             if gate is not None:
                 gate.leave(which)
         res["layers"] = checkpoint_layers(path)

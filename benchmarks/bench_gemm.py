@@ -528,10 +528,8 @@ def make_plan(args) -> dict:
         plan["dense_m"] = [int(v) for v in args.dense_m.split(",")]
     if args.dense_shapes:
         try:
-            plan["dense_shapes"] = [tuple(int(d) for d in v.split("x")) for v in args.dense_shapes.split(",")]
-        except ValueError:
-            raise SystemExit(f"bench_gemm: --dense-shapes {args.dense_shapes}: expected NxK[,NxK...], e.g. 6144x4096")
-        if any(len(t) != 2 for t in plan["dense_shapes"]):
+            plan["dense_shapes"] = [(int(n), int(k)) for n, k in (v.split("x") for v in args.dense_shapes.split(","))]
+        except ValueError:          # not a number, or not two of them
             raise SystemExit(f"bench_gemm: --dense-shapes {args.dense_shapes}: expected NxK[,NxK...], e.g. 6144x4096")
     if args.tokens:
         plan["tokens"] = [int(v) for v in args.tokens.split(",")]

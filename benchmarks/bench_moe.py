@@ -304,31 +304,29 @@ SUSTAINED_CONFIGS = {"bn64 bm128": GluonConfig(bn=64, bm=128, bk=64, num_warps=4
 
 
 @contextlib.contextmanager
-def gluon_tail(rows: int):
-    """Selection with ``select.GLUON_TAIL_BM = rows`` inside (0: the 256-row grouped tiles in one launch); the
-    lookup cache is cleared on the way in and out, so the layer selects again."""
+def _selection_with(name: str, value):
+    """Selection with the module constant ``select.<name> = value`` inside; the lookup cache is cleared on the way
+    in and out, so the layer selects again."""
     from nvfp4_plugin.gemm import select as S
-    old = S.GLUON_TAIL_BM
-    S.GLUON_TAIL_BM = rows
+    old = getattr(S, name)
+    setattr(S, name, value)
     S.clear_cache()
     try:
         yield
     finally:
-        S.GLUON_TAIL_BM = old
+        setattr(S, name, old)
         S.clear_cache()
 
 
-@contextlib.contextmanager
+def gluon_tail(rows: int):
+    """Selection with ``select.GLUON_TAIL_BM = rows`` inside (0: the 256-row grouped tiles in one launch)."""
+    return _selection_with("GLUON_TAIL_BM", rows)
+
+
 def gluon_gather(on: bool):
     """Selection with ``select.GLUON_GATHER = on`` inside: the up projection's rows gathered in the Gluon
     kernel instead of copied into expert order first (``NVFP4_PLUGIN_GLUON_GATHER``, where set, wins)."""
-    from nvfp4_plugin.gemm import select as S
-    old = S.GLUON_GATHER
-    S.GLUON_GATHER = on
-    try:
-        yield
-    finally:
-        S.GLUON_GATHER = old
+    return _selection_with("GLUON_GATHER", on)
 
 
 def sustained(model: dict, tokens: int, with_vllm: bool) -> str:
