@@ -433,7 +433,7 @@ def _g_gather_producer(c: gl.constexpr, x_ptr, gidx_ptr, aux_ptr, stride_x, K_pa
         ok = r < hi
         tok = gl.load(gidx_ptr + r, mask=ok, other=0)
         src = x_ptr + (tok.to(gl.int64) * stride_x + kk * BK)[:, None] + cols[None, :]
-        async_copy.async_copy_global_to_shared(x_smem.index(st), src, mask=ok[:, None] & (cols < BK)[None, :])
+        async_copy.async_copy_global_to_shared(x_smem.index(st), src, mask=ok[:, None])   # broadcast over the row
         async_copy.mbarrier_arrive(full.index(st), increment_count=False)
 
 
