@@ -22,8 +22,7 @@ its own process, started as a user starts it (``vllm.LLM`` with vLLM's default s
             kernels) | ours (--quantization nvfp4)
     sglang: bf16 | builtin (modelopt_fp4) | ours
     both, only when named in --configs: ours-triton-launch (ours with NVFP4_PLUGIN_FAST_LAUNCH=0: every
-            kernel launch through Triton's launch path, the A/B of the plugin's direct launches); ours-gather
-            (ours with NVFP4_PLUGIN_GLUON_GATHER=1: the MoE up projection gathers its rows in the kernel)
+            kernel launch through Triton's launch path, the A/B of the plugin's direct launches)
 
 Each first answers the engine process's first request (one 16-token prompt, 8 generated tokens, then the same
 again: what the engine pays once per process, recorded apart from the shapes' first runs), then measures decode
@@ -98,8 +97,7 @@ CONFIGS = {
     },
 }
 #: A/B configurations, run only when named in --configs: ours with environment variables set in its process
-CONFIG_ENV = {"ours-triton-launch": {"NVFP4_PLUGIN_FAST_LAUNCH": "0"},
-              "ours-gather": {"NVFP4_PLUGIN_GLUON_GATHER": "1"}}
+CONFIG_ENV = {"ours-triton-launch": {"NVFP4_PLUGIN_FAST_LAUNCH": "0"}}
 for _engine in CONFIGS.values():
     _engine.update({name: _engine["ours"] for name in CONFIG_ENV})
 BUILTIN = {"vllm": ("marlin", "humming"), "sglang": ("builtin",)}

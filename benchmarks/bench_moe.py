@@ -30,9 +30,8 @@ beyond the device time goes.
 without the direct kernel launches and a cProfile of the calls (top functions by own and cumulative time).
 
 ``--sustained T`` times ``T`` tokens after seconds of load instead, when the GPU runs at its power cap:
-the layer (ours; ours with the up projection's rows gathered in the kernel, ``select.GLUON_GATHER``; vLLM's and
-SGLang's bf16 fused MoE where importable), the up projection of the routed tokens with the rows copied into
-expert order against gathered in the kernel, and the two grouped GEMMs under the selected config and a few
+the layer (ours; vLLM's and SGLang's bf16 fused MoE where importable), the up projection of the routed tokens
+(the rows copied into expert order, then the GEMM), and the two grouped GEMMs under the selected config and a few
 other Gluon tiles, beside ``torch._grouped_mm`` on the same weights in bf16; burst
 (about 30 ms of replays on a rested GPU) and sustained (after 1.5 s of load) µs per call. Short CUDA-graph
 timings rank kernels at boost clock; served prefill runs at the cap.
@@ -323,12 +322,6 @@ def gluon_tail(rows: int):
     return _selection_with("GLUON_TAIL_BM", rows)
 
 
-def gluon_gather(on: bool):
-    """Selection with ``select.GLUON_GATHER = on`` inside: the up projection's rows gathered in the Gluon
-    kernel instead of copied into expert order first (``NVFP4_PLUGIN_GLUON_GATHER``, where set, wins)."""
-    return _selection_with("GLUON_GATHER", on)
-
-
 def sustained(model: dict, tokens: int, with_vllm: bool) -> str:
     e, top_k, h, inter = model["E"], model["top_k"], model["H"], model["I"]
     p13, p2 = _weights(model, "cuda")
@@ -356,18 +349,8 @@ def sustained(model: dict, tokens: int, with_vllm: bool) -> str:
         with gluon_tail(0):
             return w4_fused_moe(x, p13, p2, w, ids)
     add("layer, ours", "short last tiles not split off (GLUON_TAIL_BM 0)", one_launch)
-
-    def gathered(fn):
-        def run():
-            with gluon_gather(True):
-                return fn()
-        return run
-    add("layer, ours", "rows gathered in the kernel (GLUON_GATHER)", gathered(lambda: w4_fused_moe(x, p13, p2, w, ids)))
-    up_routed = lambda: w4_grouped(x, p13, rt["expert_offsets"], gather_idx=rt["gather_idx"],  # noqa: E731
-                                   gather_pos=rt["pair_pos"])
-    with gluon_gather(False):
-        add("up projection of the routed tokens", "rows copied into expert order, then the GEMM", up_routed)
-    add("up projection of the routed tokens", "rows gathered in the kernel (GLUON_GATHER)", gathered(up_routed))
+    add("up projection of the routed tokens", "rows copied into expert order, then the GEMM",
+        lambda: w4_grouped(x, p13, rt["expert_offsets"], gather_idx=rt["gather_idx"], gather_pos=rt["pair_pos"]))
     peer, reason = _vllm_bf16() if with_vllm else (None, "off")
     w13_16, w2_16 = BG.bf16_weights(p13), BG.bf16_weights(p2)
     if peer is not None:

@@ -49,7 +49,6 @@ LOG_LEVEL = "NVFP4_PLUGIN_LOG_LEVEL"
 GEMM_CONFIG_DIR = "NVFP4_PLUGIN_GEMM_CONFIG_DIR"
 GEMM_COMPILE_ONLY = "NVFP4_PLUGIN_GEMM_COMPILE_ONLY"
 FAST_LAUNCH = "NVFP4_PLUGIN_FAST_LAUNCH"
-GLUON_GATHER = "NVFP4_PLUGIN_GLUON_GATHER"
 TRITON_INTERPRET = "TRITON_INTERPRET"
 DISABLE_MMA_V3 = "DISABLE_MMA_V3"
 
@@ -93,11 +92,6 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "Triton's per-call argument binding (nvfp4_plugin.triton.fast_launch)", "plugin",
            "0: every launch of the hot-path Triton and Gluon kernels goes through Triton's kernel[grid](...) "
            "(A/B runs, debugging); read at every launch"),
-    EnvVar(GLUON_GATHER, "1 or 0", "the package's default (nvfp4_plugin.gemm.select.GLUON_GATHER: off)", "plugin",
-           "1: the MoE up projection's Gluon launches gather the routed rows inside the kernel "
-           "(gluon_w4.w4_gather_kernel) instead of copying them into expert order first; 0: the copy. Same bytes "
-           "either way; experimental until measured in served models. Read at every grouped launch and by the "
-           "start-up plan (set it before the engine starts)"),
     EnvVar(TRITON_INTERPRET, "1, or unset", "compiled kernels", "triton",
            "Triton's: 1 runs Triton kernels in its CPU interpreter (how the CPU tests run them). Triton reads "
            "it when kernels are defined; the package reads it once, when nvfp4_plugin.gemm is imported, and "
@@ -175,16 +169,6 @@ def gemm_compile_only() -> bool:
 def fast_launch() -> bool:
     """``NVFP4_PLUGIN_FAST_LAUNCH`` is not ``0``."""
     return _read(FAST_LAUNCH) != "0"
-
-
-def gluon_gather() -> bool | None:
-    """``NVFP4_PLUGIN_GLUON_GATHER``: True for ``1``, False for ``0``, None when unset (the package's default)."""
-    v = _read(GLUON_GATHER)
-    if v in (None, ""):
-        return None
-    if v not in ("0", "1"):
-        raise ValueError(f"{GLUON_GATHER}: expected 1 or 0, got {v!r}")
-    return v == "1"
 
 
 def triton_interpret() -> bool:

@@ -482,10 +482,6 @@ def test_a_b_configuration_runs_only_when_named_and_with_its_environment(tmp_pat
     assert runs == [("ours", {"PATH": "/bin"}),
                     ("ours-triton-launch", {"PATH": "/bin", "NVFP4_PLUGIN_FAST_LAUNCH": "0"})]
     assert E.CONFIGS["sglang"]["ours-triton-launch"] == E.CONFIGS["sglang"]["ours"]
-    runs.clear()
-    E.main(["run", "--out", str(tmp_path / "c"), "--models", "moe", "--engines", "sglang", "--configs", "ours",
-            "ours-gather"])
-    assert runs == [("ours", {"PATH": "/bin"}), ("ours-gather", {"PATH": "/bin", "NVFP4_PLUGIN_GLUON_GATHER": "1"})]
 
 
 def test_gpu_clock_sampler_summarises_nvidia_smi_lines():

@@ -75,32 +75,6 @@ def test_hopper_kernel_families_per_token_range():
     assert mfams[0][2].startswith("up triton mma.sync") and mfams[-1][2] == "up gluon wgmma, down gluon wgmma"
 
 
-def test_gathering_grouped_kernel_is_planned_for_the_up_projection_only_when_on(monkeypatch):
-    """select.GLUON_GATHER: the up projection's Gluon launches (its rows gathered from the tokens) become the
-    gathering kernel, in the plan that start-up compiles and `info` reports; the down projection's stay."""
-    from nvfp4_plugin.gemm import plan, select
-
-    def fams(tokens):
-        return HopperMoe.families(MoeSpec(128, 2048, 768, torch.bfloat16, "w4a16", CUDA), tokens, top_k=8,
-                                  dev_key="NVIDIA_H200", sms=132)
-
-    assert not select.GLUON_GATHER and "gathered" not in str(fams(16384))
-    monkeypatch.setattr(select, "GLUON_GATHER", True)
-    assert fams(16384)[-1][2] == "up gluon wgmma, rows gathered in the kernel, down gluon wgmma"
-    kinds = {(up[0], down[0]) for _, _, (up, down) in plan.fused_moe_variants(128, 2048, 768, 8, 16384,
-                                                                             dev_key="NVIDIA_H200")}
-    assert ("grouped-gluon-gather", "grouped-gluon") in kinds and all(d != "grouped-gluon-gather" for _, d in kinds)
-    # NVFP4_PLUGIN_GLUON_GATHER overrides the package's default either way; anything but 1 / 0 is refused by name
-    monkeypatch.setenv("NVFP4_PLUGIN_GLUON_GATHER", "0")
-    assert "gathered" not in str(fams(16384))
-    monkeypatch.setattr(select, "GLUON_GATHER", False)
-    monkeypatch.setenv("NVFP4_PLUGIN_GLUON_GATHER", "1")
-    assert "gathered" in fams(16384)[-1][2]
-    monkeypatch.setenv("NVFP4_PLUGIN_GLUON_GATHER", "yes")
-    with pytest.raises(ValueError, match="NVFP4_PLUGIN_GLUON_GATHER: expected 1 or 0, got 'yes'"):
-        fams(16384)
-
-
 @pytest.mark.parametrize("cap", ["10.0", "10.3"])
 def test_info_capability_blackwell_compile(cap):
     r = _cli("--capability", cap, "--compile")

@@ -207,57 +207,6 @@ def test_gpu_gluon_grouped_tail_launch(tail_bm, dtype):
     assert torch.equal(yc, ys1)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [GluonConfig(bn=64, bm=256, bk=64, num_warps=4, num_stages=3, tail_bm=64),
-                                 GluonConfig(bn=64, bm=256, bk=64, num_warps=4, num_stages=3, tail_bm=128),
-                                 GluonConfig(bn=64, bm=128, bk=64, num_warps=4, num_stages=4),
-                                 GluonConfig(bn=64, bm=128, bk=64, num_warps=4, num_stages=4, m_split=3)],
-                         ids=["bm256_tail64", "bm256_tail128", "bm128", "bm128_msplit3"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_gluon_grouped_gather_kernel(cfg, dtype, monkeypatch):
-    """select.GLUON_GATHER: the up projection's rows gathered inside the kernel (gluon_w4.w4_gather_kernel: a
-    producer warp per ring, two consumer warpgroups per program) give the bytes of the rows copied into expert
-    order and loaded by TMA, at every row count around the tile edges (an odd number of programs, experts
-    without rows, rows past expert_offsets[E] not read), with routing's inverse index or without, scattered
-    with row scales, under a CUDA graph; and the whole fused MoE the same bytes."""
-    from nvfp4_plugin.gemm import gluon_w4, w4_fused_moe
-
-    num_e, offsets, rows = _edge_offsets()
-    n, k = 200, 1024
-    w = make_weight((num_e,), n, k, seed=91)
-    p = prepack(w, dtype)
-    g = torch.Generator().manual_seed(92)
-    tokens = rows // 3 + 7
-    x = act((tokens, k), dtype, seed=93)
-    token = torch.randint(0, tokens, (rows,), generator=g).to(torch.int32).to(DEV)
-    y_copy = w4_grouped(x, p, offsets, gather_idx=token, config=cfg)
-    calls = []
-    real = gluon_w4.launch_grouped_gather
-    monkeypatch.setattr(gluon_w4, "launch_grouped_gather", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(gsel, "GLUON_GATHER", True)
-    y = w4_grouped(x, p, offsets, gather_idx=token, config=cfg)
-    assert calls, "the gathering kernel did not run"
-    assert torch.equal(y, y_copy)
-    assert torch.equal(graph_replay(lambda: w4_grouped(x, p, offsets, gather_idx=token, config=cfg)), y_copy)
-    pair = torch.randperm(rows, generator=g).to(torch.int32).to(DEV)
-    scale = torch.rand(rows, generator=g).to(DEV)
-    ys = w4_grouped(x, p, offsets, gather_idx=token, scatter_idx=pair, row_scale=scale, num_out_rows=rows, config=cfg)
-    monkeypatch.setattr(gsel, "GLUON_GATHER", False)
-    assert torch.equal(ys, w4_grouped(x, p, offsets, gather_idx=token, scatter_idx=pair, row_scale=scale,
-                                      num_out_rows=rows, config=cfg))
-    # the layer: routed tokens (routing's gather and inverse index), 256-row tiles past 192 rows per expert
-    tokens, top_k, h, inter = 1536, 4, 1024, 512
-    w13, w2 = make_weight((8,), 2 * inter, h, seed=94), make_weight((8,), h, inter, seed=95)
-    p13, p2 = prepack(w13, dtype), prepack(w2, dtype)
-    xl = act((tokens, h), dtype, seed=96)
-    topk_w, topk_ids = torch.topk(torch.rand(tokens, 8, generator=g), top_k, dim=-1)
-    topk_w, topk_ids = (topk_w / topk_w.sum(-1, keepdim=True)).to(DEV), topk_ids.to(torch.int32).to(DEV)
-    ref_layer = w4_fused_moe(xl, p13, p2, topk_w, topk_ids)
-    monkeypatch.setattr(gsel, "GLUON_GATHER", True)
-    calls.clear()
-    assert torch.equal(w4_fused_moe(xl, p13, p2, topk_w, topk_ids), ref_layer) and calls
-
-
 def test_gluon_config_validation_and_selection():
     with pytest.raises(ValueError, match="GluonConfig: needs bn 64 or 128 with bn/16 warps"):
         GluonConfig(bn=128, bm=128, num_warps=4)

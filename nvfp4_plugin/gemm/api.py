@@ -23,7 +23,6 @@ from ..triton.fast_launch import fast
 from . import triton_w4 as tk
 from .layout import PackedW4Weight
 from . import moe_glue
-from . import select
 from .moe_glue import moe_combine, moe_routing, silu_and_mul
 from .select import TritonWgmmaConfig, W4Config, _num_sms, config_fn, first_sizes, select_config, tail_config
 
@@ -318,21 +317,14 @@ def _dense_variant(m: int, lay, cfg: W4Config, sms: int, gluon_mod=False) -> tup
     return ("triton", cfg, cfg.split_k > 1)
 
 
-def _gathers(g, lay, cfg: W4Config) -> bool:
-    """Whether the Gluon grouped launch of ``cfg`` gathers its rows in the kernel (``select.gluon_gather()``)."""
-    tail = tail_config(cfg)
-    return select.gluon_gather() and g.gather_ok(lay, cfg) and (tail is None or g.gather_ok(lay, tail))
-
-
-def _grouped_variant(rows: int, num_e: int, cfg: W4Config, gluon_mod=False, lay=None) -> tuple:
+def _grouped_variant(rows: int, num_e: int, cfg: W4Config, gluon_mod=False) -> tuple:
     """What :func:`w4_grouped` compiles and launches for ``rows`` routed rows over ``num_e`` experts under
     ``cfg`` (``compact``: decode's one slot per possibly active expert). ``gluon_mod`` as in
-    :func:`_dense_variant`; ``lay``: the weight layout of a projection whose rows are gathered (the up
-    projection), where the Gluon launch may gather them itself."""
+    :func:`_dense_variant`."""
     compact = _compact_experts(rows, num_e)
     g = (_gluon() if gluon_mod is False else gluon_mod) if cfg.gluon else None
     if g is not None and not compact:
-        return ("grouped-gluon-gather" if lay is not None and _gathers(g, lay, cfg) else "grouped-gluon", cfg)
+        return ("grouped-gluon", cfg)
     return ("grouped-triton", _without_gluon(cfg) if cfg.gluon else cfg, compact > 0)
 
 
@@ -355,7 +347,7 @@ def warmup_sizes_fused_moe(w13: PackedW4Weight, w2: PackedW4Weight, top_k: int, 
     def variant(t: int) -> tuple:
         rows = t * top_k
         return (moe_glue.route_class(rows),                 # routing: one program, or per-block kernels
-                _grouped_variant(rows, num_e, sel13(rows), lay=w13.layout), _grouped_variant(rows, num_e, sel2(rows)))
+                _grouped_variant(rows, num_e, sel13(rows)), _grouped_variant(rows, num_e, sel2(rows)))
 
     return first_sizes(variant, max_tokens)
 
@@ -473,12 +465,6 @@ def w4_grouped(x: torch.Tensor, weight: PackedW4Weight, expert_offsets: torch.Te
     if cfg.gluon:
         g = _gluon()
         if g is not None and not compact:
-            if gather_idx is not None and _gathers(g, lay, cfg) and _tma_ok(x):
-                # the producer warps gather the rows (row stride and base 16-byte aligned: cp.async)
-                g.launch_grouped_gather(x, gather_idx, weight, out, cfg, expert_offsets, _dummy(x.device), m_split=ms,
-                                        scatter=scatter_idx, row_scale=row_scale, act_scale=act_scale,
-                                        tail_cfg=tail_config(cfg))
-                return out
             if gather_idx is not None:
                 # TMA cannot gather rows: copy them into expert order first (at the row counts the Gluon
                 # configs are tuned for, the copy costs far less than the Triton kernel's gather loads)

@@ -19,11 +19,6 @@ Split K (narrow N with long K has few output tiles; or, with ``GluonConfig.split
 the last whole wave) writes fp32 partials that :func:`w4_splitk_reduce_kernel` adds in split order
 (deterministic), or with ``GluonConfig.fixup`` the last program of each tile to arrive (the same order, no
 second launch).
-
-:func:`w4_gather_kernel` (``select.GLUON_GATHER``, off until measured) is the grouped kernel whose rows are
-gathered from the tokens inside it: two of the grouped programs as two consumer warpgroups of one CTA, each fed by
-its own producer warp's cp.async copies (the same K steps, so the same bytes out); the default copies the routed
-rows into expert order first (``moe_glue.spread_rows``) for TMA.
 """
 
 from __future__ import annotations
@@ -35,9 +30,7 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..triton.fast_launch import fast
@@ -68,13 +61,12 @@ def _g_weight_tile(q, sp, BN: gl.constexpr, BK: gl.constexpr, DT: gl.constexpr):
 
 
 @gluon.jit
-def _g_step(kk, it0, num_k, acc, q, sp, q_tile, s_tile, x_desc, x_smem, bars, empty, off_m, k0,
+def _g_step(kk, it0, num_k, acc, q, sp, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0,
             a_layout: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, DT: gl.constexpr,
-            PF: gl.constexpr, num_warps: gl.constexpr, GATHER: gl.constexpr):
+            PF: gl.constexpr, num_warps: gl.constexpr):
     """One K step (``kk`` of this tile; ``it0 + kk`` counts the steps of the program, for the x ring's
     buffer and phase): load step kk+PF's words, decode step kk's, issue its wgmma, retire step kk-1's
-    wgmma, then refill the x buffer that step kk-1 read with step kk+STAGES-1 (TMA), or with GATHER hand it
-    back to the producer partition that fills the ring (``bars``: its full barriers, ``empty``: ours)."""
+    wgmma, then refill the x buffer that step kk-1 read with step kk+STAGES-1 (TMA)."""
     nk = kk + PF
     more = nk < num_k
     q_n = gl.load(q_tile + nk * (BK // 4), mask=more, other=0)
@@ -84,38 +76,30 @@ def _g_step(kk, it0, num_k, acc, q, sp, q_tile, s_tile, x_desc, x_smem, bars, em
     g = it0 + kk
     st = g % STAGES
     mbarrier.wait(bars.index(st), (g // STAGES) & 1)
-    if GATHER:
-        fence_async_shared()    # the producer's cp.async writes (generic proxy) before the wgmma reads them
     acc = warpgroup_mma(a, x_smem.index(st).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(1, deps=(acc, ))
-    if GATHER:
-        # step kk-1's wgmma has retired (the arrive follows a barrier of the warpgroup): its buffer is free
-        mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), pred=kk > 0)
-    else:
-        if num_warps > 4:
-            _cta_barrier()      # the other warpgroup's wgmma of step kk-1 is done too
-        nl = kk + STAGES - 1
-        ls = (it0 + nl) % STAGES
-        ok = nl < num_k
-        mbarrier.expect(bars.index(ls), x_desc.block_type.nbytes, pred=ok)
-        tma.async_copy_global_to_shared(x_desc, [off_m, k0 + nl * BK], bars.index(ls), x_smem.index(ls), pred=ok)
+    if num_warps > 4:
+        _cta_barrier()      # the other warpgroup's wgmma of step kk-1 is done too
+    nl = kk + STAGES - 1
+    ls = (it0 + nl) % STAGES
+    ok = nl < num_k
+    mbarrier.expect(bars.index(ls), x_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(x_desc, [off_m, k0 + nl * BK], bars.index(ls), x_smem.index(ls), pred=ok)
     return acc, q_n, s_n
 
 
 @gluon.jit
-def _g_tile(it0, num_k, q_tile, s_tile, x_desc, x_smem, bars, empty, off_m, k0, mma: gl.constexpr,
+def _g_tile(it0, num_k, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, mma: gl.constexpr,
             a_layout: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-            DT: gl.constexpr, PF: gl.constexpr, num_warps: gl.constexpr, GATHER: gl.constexpr):
+            DT: gl.constexpr, PF: gl.constexpr, num_warps: gl.constexpr):
     """``acc[BN, BM]`` of one output tile over ``num_k`` K steps (x rows from ``off_m``, K from ``k0``).
-    Every buffer of the x ring is free on entry (the previous tile ended with all wgmmas retired); with GATHER
-    the producer partition fills it and the last step's buffer is handed back here."""
-    if not GATHER:
-        for i in gl.static_range(STAGES - 1):
-            ok = i < num_k
-            st = (it0 + i) % STAGES
-            mbarrier.expect(bars.index(st), x_desc.block_type.nbytes, pred=ok)
-            tma.async_copy_global_to_shared(x_desc, [off_m, k0 + i * BK], bars.index(st), x_smem.index(st),
-                                            pred=ok)
+    Every buffer of the x ring is free on entry (the previous tile ended with all wgmmas retired)."""
+    for i in gl.static_range(STAGES - 1):
+        ok = i < num_k
+        st = (it0 + i) % STAGES
+        mbarrier.expect(bars.index(st), x_desc.block_type.nbytes, pred=ok)
+        tma.async_copy_global_to_shared(x_desc, [off_m, k0 + i * BK], bars.index(st), x_smem.index(st),
+                                        pred=ok)
     # Words and scale pairs are loaded PF (2 or 4) K steps ahead into registers: q0/s0 serve steps 0, PF,
     # 2 PF, ..., q1/s1 steps 1, PF + 1, ... (PF sets: deeper prefetch hides more of the load latency).
     q0 = gl.load(q_tile)
@@ -132,31 +116,29 @@ def _g_tile(it0, num_k, q_tile, s_tile, x_desc, x_smem, bars, empty, off_m, k0, 
     # writes the registers of the wgmma still in flight (the one before it); that one is retired by the
     # wait that follows the next wgmma (warpgroup_mma_wait(1)), before its registers are written again.
     for kk in range(0, num_k - (PF - 1), PF):
-        acc, q0, s0 = _g_step(kk, it0, num_k, acc, q0, s0, q_tile, s_tile, x_desc, x_smem, bars, empty, off_m,
-                              k0, a_layout, BN, BK, STAGES, DT, PF, num_warps, GATHER)
-        acc, q1, s1 = _g_step(kk + 1, it0, num_k, acc, q1, s1, q_tile, s_tile, x_desc, x_smem, bars, empty, off_m,
-                              k0, a_layout, BN, BK, STAGES, DT, PF, num_warps, GATHER)
+        acc, q0, s0 = _g_step(kk, it0, num_k, acc, q0, s0, q_tile, s_tile, x_desc, x_smem, bars, off_m,
+                              k0, a_layout, BN, BK, STAGES, DT, PF, num_warps)
+        acc, q1, s1 = _g_step(kk + 1, it0, num_k, acc, q1, s1, q_tile, s_tile, x_desc, x_smem, bars, off_m,
+                              k0, a_layout, BN, BK, STAGES, DT, PF, num_warps)
         if PF == 4:
-            acc, q2, s2 = _g_step(kk + 2, it0, num_k, acc, q2, s2, q_tile, s_tile, x_desc, x_smem, bars, empty,
-                                  off_m, k0, a_layout, BN, BK, STAGES, DT, PF, num_warps, GATHER)
-            acc, q3, s3 = _g_step(kk + 3, it0, num_k, acc, q3, s3, q_tile, s_tile, x_desc, x_smem, bars, empty,
-                                  off_m, k0, a_layout, BN, BK, STAGES, DT, PF, num_warps, GATHER)
+            acc, q2, s2 = _g_step(kk + 2, it0, num_k, acc, q2, s2, q_tile, s_tile, x_desc, x_smem, bars,
+                                  off_m, k0, a_layout, BN, BK, STAGES, DT, PF, num_warps)
+            acc, q3, s3 = _g_step(kk + 3, it0, num_k, acc, q3, s3, q_tile, s_tile, x_desc, x_smem, bars,
+                                  off_m, k0, a_layout, BN, BK, STAGES, DT, PF, num_warps)
     # the last num_k % PF steps, peeled (their words are in q0, q1, q2 in that order)
     rest = num_k % PF
     kr = num_k - rest
     if rest >= 1:
-        acc, q0, s0 = _g_step(kr, it0, num_k, acc, q0, s0, q_tile, s_tile, x_desc, x_smem, bars, empty, off_m,
-                              k0, a_layout, BN, BK, STAGES, DT, PF, num_warps, GATHER)
+        acc, q0, s0 = _g_step(kr, it0, num_k, acc, q0, s0, q_tile, s_tile, x_desc, x_smem, bars, off_m,
+                              k0, a_layout, BN, BK, STAGES, DT, PF, num_warps)
     if PF == 4:
         if rest >= 2:
-            acc, q1, s1 = _g_step(kr + 1, it0, num_k, acc, q1, s1, q_tile, s_tile, x_desc, x_smem, bars, empty,
-                                  off_m, k0, a_layout, BN, BK, STAGES, DT, PF, num_warps, GATHER)
+            acc, q1, s1 = _g_step(kr + 1, it0, num_k, acc, q1, s1, q_tile, s_tile, x_desc, x_smem, bars,
+                                  off_m, k0, a_layout, BN, BK, STAGES, DT, PF, num_warps)
         if rest >= 3:
-            acc, q2, s2 = _g_step(kr + 2, it0, num_k, acc, q2, s2, q_tile, s_tile, x_desc, x_smem, bars, empty,
-                                  off_m, k0, a_layout, BN, BK, STAGES, DT, PF, num_warps, GATHER)
+            acc, q2, s2 = _g_step(kr + 2, it0, num_k, acc, q2, s2, q_tile, s_tile, x_desc, x_smem, bars,
+                                  off_m, k0, a_layout, BN, BK, STAGES, DT, PF, num_warps)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
-    if GATHER:
-        mbarrier.arrive(empty.index((it0 + num_k - 1) % STAGES))
     return acc
 
 
@@ -315,8 +297,8 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, cn
 
     if MODE == 0:
         off_m = pid_m * BM
-        acc = _g_tile(0, num_k, q_tile, s_tile, x_desc, x_smem, bars, bars, off_m, step0 * BK, mma, a_layout, BN,
-                      BM, BK, STAGES, DT, PF, num_warps, False)
+        acc = _g_tile(0, num_k, q_tile, s_tile, x_desc, x_smem, bars, off_m, step0 * BK, mma, a_layout, BN,
+                      BM, BK, STAGES, DT, PF, num_warps)
         out = acc * alpha[:, None]
         if ACT_SCALE == 1:
             out = out * gl.load(actscale_ptr)
@@ -354,133 +336,13 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, cn
         it = 0
         for mt in range(pe % M_SPLIT, gl.cdiv(hi - lo, BM), M_SPLIT):
             off_m = lo + mt * BM
-            acc = _g_tile(it, num_k, q_tile, s_tile, x_desc, x_smem, bars, bars, off_m, 0, mma, a_layout, BN, BM, BK,
-                          STAGES, DT, PF, num_warps, False)
+            acc = _g_tile(it, num_k, q_tile, s_tile, x_desc, x_smem, bars, off_m, 0, mma, a_layout, BN, BM, BK,
+                          STAGES, DT, PF, num_warps)
             it += num_k
             _g_store_rows(acc, alpha, e, off_m, hi, y_ptr, actscale_ptr, scatter_ptr, rowscale_ptr, offs_n, n_ok,
                           stride_ym, mma, st_l, BM, ACT_SCALE, HAS_SCATTER, HAS_ROWSCALE)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-
-
-# ----------------------------------------------------------------------------------------------
-# grouped with the routed rows gathered in the kernel (no copy into expert order)
-# ----------------------------------------------------------------------------------------------
-
-#: registers of the gather kernel's partitions: the launch budget (384 threads, one program per SM), each
-#: consumer warpgroup's and the producers' after setmaxnreg (the producers' two warps share one warpgroup)
-GATHER_MAXNREG, GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS = 168, 208, 88
-
-
-@gluon.jit
-def _g_gather_rows(aux_ptr, pe, M_SPLIT, NPE, BM: gl.constexpr, TAIL: gl.constexpr, BM_MAIN: gl.constexpr):
-    """``(expert, lo, hi, first M tile, tiles)`` of the grouped program ``pe`` (the second grid index of
-    :func:`w4_wgmma_kernel`'s grouped launch; none past ``NPE``)."""
-    e = gl.minimum(pe, NPE - 1) // M_SPLIT
-    lo, hi = _g_expert_rows(aux_ptr, e, BM, TAIL, BM_MAIN)
-    first = pe % M_SPLIT
-    n = gl.maximum(gl.cdiv(gl.cdiv(hi - lo, BM) - first, M_SPLIT), 0) * (pe < NPE).to(gl.int32)
-    return e, lo, hi, first, n
-
-
-@gluon.jit
-def _g_gather_consumer(c: gl.constexpr, q_ptr, s_ptr, alpha_ptr, y_ptr, actscale_ptr, aux_ptr, scatter_ptr,
-                       rowscale_ptr, N, K_pad, stride_qe, stride_qn, stride_se, stride_sn, stride_ae, stride_ym,
-                       M_SPLIT, NPE, x_smem, full, empty, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
-                       STAGES: gl.constexpr, DT: gl.constexpr, ACT_SCALE: gl.constexpr, HAS_SCATTER: gl.constexpr,
-                       HAS_ROWSCALE: gl.constexpr, PF: gl.constexpr, TAIL: gl.constexpr, BM_MAIN: gl.constexpr):
-    """Consumer warpgroup ``c``: the tiles of grouped program ``2 * program_id(1) + c`` from its ring."""
-    NW: gl.constexpr = 4
-    mma: gl.constexpr = _g_layouts(BM, NW)[0]
-    a_layout: gl.constexpr = _g_layouts(BM, NW)[1]
-    wl: gl.constexpr = _g_layouts(BM, NW)[2]
-    st_l: gl.constexpr = _g_layouts(BM, NW)[3]
-    num_k = K_pad // BK
-    pid_n = gl.program_id(0)
-    e, lo, hi, first, n = _g_gather_rows(aux_ptr, 2 * gl.program_id(1) + c, M_SPLIT, NPE, BM, TAIL, BM_MAIN)
-    if n > 0:
-        q_tile, s_tile, alpha, offs_n, n_ok = _g_operands(q_ptr, s_ptr, alpha_ptr, e, pid_n, 0, N, stride_qe,
-                                                          stride_qn, stride_se, stride_sn, stride_ae, BN, BK, mma,
-                                                          wl, st_l)
-        for t in range(0, n):
-            off_m = lo + (first + t * M_SPLIT) * BM
-            acc = _g_tile(t * num_k, num_k, q_tile, s_tile, None, x_smem, full, empty, off_m, 0, mma, a_layout, BN,
-                          BM, BK, STAGES, DT, PF, NW, True)
-            _g_store_rows(acc, alpha, e, off_m, hi, y_ptr, actscale_ptr, scatter_ptr, rowscale_ptr, offs_n, n_ok,
-                          stride_ym, mma, st_l, BM, ACT_SCALE, HAS_SCATTER, HAS_ROWSCALE)
-
-
-@gluon.jit
-def _g_gather_producer(c: gl.constexpr, x_ptr, gidx_ptr, aux_ptr, stride_x, K_pad, M_SPLIT, NPE, x_smem, full, empty,
-                       BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr,
-                       BM_MAIN: gl.constexpr):
-    """One warp filling consumer ``c``'s ring: each K step's ``[BM, BK]`` x tile from the routed rows' tokens
-    (``x[gidx[r]]``), 16-byte cp.async copies that arrive on the step's full barrier when they land; rows past
-    the expert's end are zero (not stored). Its own warp per ring: a consumer in its epilogue never holds up
-    the other's loads."""
-    ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[16, 2], warps_per_cta=[1, 1],
-                                        order=[1, 0])
-    num_k = K_pad // BK
-    e, lo, hi, first, n = _g_gather_rows(aux_ptr, 2 * gl.program_id(1) + c, M_SPLIT, NPE, BM, TAIL, BM_MAIN)
-    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
-    cols = gl.arange(0, BK, layout=gl.SliceLayout(0, ld))
-    for g in range(0, n * num_k):
-        t = g // num_k
-        kk = g - t * num_k
-        st = g % STAGES
-        mbarrier.wait(empty.index(st), ((g // STAGES) & 1) ^ 1)      # the first pass finds every buffer free
-        r = lo + (first + t * M_SPLIT) * BM + rows
-        ok = r < hi
-        tok = gl.load(gidx_ptr + r, mask=ok, other=0)
-        src = x_ptr + (tok.to(gl.int64) * stride_x + kk * BK)[:, None] + cols[None, :]
-        async_copy.async_copy_global_to_shared(x_smem.index(st), src, mask=ok[:, None])   # broadcast over the row
-        async_copy.mbarrier_arrive(full.index(st), increment_count=False)
-
-
-@gluon.jit(do_not_specialize=["M_SPLIT", "NPE"])
-def w4_gather_kernel(x_ptr, gidx_ptr, q_ptr, s_ptr, alpha_ptr, y_ptr, actscale_ptr, aux_ptr, scatter_ptr,
-                     rowscale_ptr, N, K_pad, stride_x, stride_qe, stride_qn, stride_se, stride_sn, stride_ae, stride_ym,
-                     M_SPLIT, NPE, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                     DT: gl.constexpr, ACT_SCALE: gl.constexpr, HAS_SCATTER: gl.constexpr,
-                     HAS_ROWSCALE: gl.constexpr, PF: gl.constexpr, TAIL: gl.constexpr, BM_MAIN: gl.constexpr,
-                     C_REGS: gl.constexpr, P_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """Grouped (``aux`` = expert offsets) with the rows of x gathered: row r of the GEMM is ``x[gidx[r]]``.
-    Grid (N tiles, ``cdiv(NPE, 2)``), ``NPE`` = experts x ``M_SPLIT``: the CTA holds two of
-    :func:`w4_wgmma_kernel`'s grouped programs (``2 j``, ``2 j + 1``) as two consumer warpgroups, each on its
-    own tiles and its own x ring, and one producer warp per ring (Hopper's TMA cannot gather rows; cp.async
-    from a producer warp keeps the consumers' instruction stream as it is). The same tiles, K steps and
-    epilogue as that kernel: the same bytes out. ``num_warps`` 4 (the first consumer); 384 threads in all."""
-    x_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    xa = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BM, BK], x_layout)
-    xb = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BM, BK], x_layout)
-    fa = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ea = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    fb = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    eb = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(fa.index(i), count=32)        # one arrival per producer thread (cp.async.mbarrier.arrive)
-        mbarrier.init(ea.index(i), count=1)
-        mbarrier.init(fb.index(i), count=32)
-        mbarrier.init(eb.index(i), count=1)
-    gl.warp_specialize([
-        (_g_gather_consumer, (0, q_ptr, s_ptr, alpha_ptr, y_ptr, actscale_ptr, aux_ptr, scatter_ptr, rowscale_ptr,
-                              N, K_pad, stride_qe, stride_qn, stride_se, stride_sn, stride_ae, stride_ym, M_SPLIT,
-                              NPE, xa, fa, ea, BN, BM, BK, STAGES, DT, ACT_SCALE, HAS_SCATTER, HAS_ROWSCALE, PF,
-                              TAIL, BM_MAIN)),
-        (_g_gather_consumer, (1, q_ptr, s_ptr, alpha_ptr, y_ptr, actscale_ptr, aux_ptr, scatter_ptr, rowscale_ptr,
-                              N, K_pad, stride_qe, stride_qn, stride_se, stride_sn, stride_ae, stride_ym, M_SPLIT,
-                              NPE, xb, fb, eb, BN, BM, BK, STAGES, DT, ACT_SCALE, HAS_SCATTER, HAS_ROWSCALE, PF,
-                              TAIL, BM_MAIN)),
-        (_g_gather_producer, (0, x_ptr, gidx_ptr, aux_ptr, stride_x, K_pad, M_SPLIT, NPE, xa, fa, ea, BM, BK,
-                              STAGES, TAIL, BM_MAIN)),
-        (_g_gather_producer, (1, x_ptr, gidx_ptr, aux_ptr, stride_x, K_pad, M_SPLIT, NPE, xb, fb, eb, BM, BK,
-                              STAGES, TAIL, BM_MAIN)),
-    ], [4, 1, 1], [C_REGS, P_REGS, P_REGS])
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(fa.index(i))
-        mbarrier.invalidate(ea.index(i))
-        mbarrier.invalidate(fb.index(i))
-        mbarrier.invalidate(eb.index(i))
 
 
 @triton.jit(do_not_specialize=["M", "N0", "SPLIT_K"])
@@ -612,36 +474,3 @@ def launch_grouped(mode: int, x2: torch.Tensor, w, y2: torch.Tensor, cfg, aux: t
             HAS_SCATTER=int(scatter is not None), HAS_ROWSCALE=int(row_scale is not None), PF=c.prefetch,
             TAIL=tail, BM_MAIN=cfg.bm, FIXUP=0, num_warps=bn // 16)
 
-
-def gather_ok(lay, cfg) -> bool:
-    """Whether :func:`launch_grouped_gather` takes ``cfg`` on this layout (prefetch 2, K in whole 64-wide
-    steps: the producer's tile is ``[bm, 64]``)."""
-    return cfg.prefetch == 2 and _bk(lay, cfg) == 64 and lay.k_pad % 64 == 0
-
-
-def launch_grouped_gather(x2: torch.Tensor, gather_idx: torch.Tensor, w, y2: torch.Tensor, cfg, aux: torch.Tensor,
-                          dummy: torch.Tensor, *, m_split: int, scatter=None, row_scale=None, act_scale=None,
-                          tail_cfg=None) -> None:
-    """:func:`launch_grouped` (mode 1) with row ``r`` of the GEMM read as ``x2[gather_idx[r]]`` by
-    :func:`w4_gather_kernel` instead of from rows copied into expert order: the same tiles and bytes out.
-    ``x2`` row-major with a 16-byte aligned row stride (cp.async copies 16 bytes)."""
-    lay = w.layout
-    if not gather_ok(lay, cfg) or (tail_cfg is not None and not gather_ok(lay, tail_cfg)):
-        raise ValueError(f"launch_grouped_gather: config {cfg.label} (prefetch {cfg.prefetch}, bk {cfg.bk}) on "
-                         f"K={lay.k_pad}: expected prefetch 2 and 64-wide K steps")
-    num_e = w.words.shape[0]
-    parts = [(cfg, m_split, 1 if tail_cfg is not None else 0)]
-    if tail_cfg is not None:
-        parts.append((tail_cfg, -(-(cfg.bm // 2) // tail_cfg.bm), 2))
-    d = dummy
-    for c, ms, tail in parts:
-        npe = num_e * ms
-        fast(w4_gather_kernel)[(-(-lay.n // c.bn), -(-npe // 2))](
-            x2, gather_idx, w.words, w.scales, w.alpha, y2, act_scale if act_scale is not None else d, aux,
-            scatter if scatter is not None else d, row_scale if row_scale is not None else d, lay.n, lay.k_pad,
-            x2.stride(0), w.words.stride(0), w.words.stride(1), w.scales.stride(0), w.scales.stride(1),
-            w.alpha.stride(0), y2.stride(0), ms, npe, BN=c.bn, BM=c.bm, BK=64, STAGES=c.num_stages,
-            DT=0 if x2.dtype == torch.bfloat16 else 1, ACT_SCALE=2 if act_scale is not None else 0,
-            HAS_SCATTER=int(scatter is not None), HAS_ROWSCALE=int(row_scale is not None), PF=2, TAIL=tail,
-            BM_MAIN=cfg.bm, C_REGS=GATHER_CONSUMER_REGS, P_REGS=GATHER_PRODUCER_REGS, num_warps=4,
-            maxnreg=GATHER_MAXNREG)

@@ -96,30 +96,6 @@ def compile_gluon(cfg: GluonConfig, *, fp16: bool = False, split: bool = False, 
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": cfg.num_warps})
 
 
-def compile_gluon_gather(cfg: GluonConfig, *, fp16: bool = False, arch: int = 90, tail: int = 0, bm_main: int = 0):
-    """The gathering grouped kernel (:func:`.gluon_w4.w4_gather_kernel`) of a grouped Gluon config, compiled for
-    ``sm_{arch}a`` as :func:`.gluon_w4.launch_grouped_gather` launches it (``tail`` as in :func:`compile_gluon`)."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from . import gluon_w4
-
-    act = "*fp16" if fp16 else "*bf16"
-    sig = {"x_ptr": act, "gidx_ptr": "*i32", "q_ptr": "*i32", "s_ptr": "*i16", "alpha_ptr": "*fp32", "y_ptr": act,
-           "actscale_ptr": "*fp32", "aux_ptr": "*i32", "scatter_ptr": "*i32", "rowscale_ptr": "*fp32"}
-    sizes = ("N", "K_pad", "stride_x", "stride_qe", "stride_qn", "stride_se", "stride_sn", "stride_ae", "stride_ym")
-    sig.update({n: "i32" for n in (*sizes, "M_SPLIT", "NPE")})
-    const = dict(BN=cfg.bn, BM=cfg.bm, BK=64, STAGES=cfg.num_stages, DT=int(fp16), ACT_SCALE=0, HAS_SCATTER=0,
-                 HAS_ROWSCALE=0, PF=2, TAIL=tail, BM_MAIN=bm_main or cfg.bm, C_REGS=gluon_w4.GATHER_CONSUMER_REGS,
-                 P_REGS=gluon_w4.GATHER_PRODUCER_REGS, num_warps=4)
-    sig.update({k: "constexpr" for k in const})
-    fn = gluon_w4.w4_gather_kernel
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n].startswith("*") or n in sizes}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": 4, "maxnreg": gluon_w4.GATHER_MAXNREG})
-
-
 def compile_dequant(*, fp16: bool = False, arch: int = 90):
     """The weight dequantization kernel of the large-M ``dequant_mm`` path, compiled for ``sm_{arch}a``."""
     fn = tk.w4_dequant_kernel

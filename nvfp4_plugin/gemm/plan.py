@@ -40,11 +40,10 @@ def fused_moe_variants(e: int, h: int, i: int, top_k: int, max_tokens: int, *, d
     """``(first, last, (up variant, down variant))`` token ranges of a fused MoE layer (``top_k``
     experts per token; the GEMMs see ``tokens * top_k`` routed rows)."""
     g = _gluon_mod()
-    up_lay = HopperW4Layout(torch.bfloat16, 2 * i, h, lead_shape=(e,))   # the up projection gathers its rows
 
     def variant(t: int) -> tuple:
         rows = t * top_k
-        return (api._grouped_variant(rows, e, _select("grouped", rows, 2 * i, h, e, dev_key, sms), g, up_lay),
+        return (api._grouped_variant(rows, e, _select("grouped", rows, 2 * i, h, e, dev_key, sms), g),
                 api._grouped_variant(rows, e, _select("grouped", rows, h, i, e, dev_key, sms), g))
 
     return size_ranges(variant, max_tokens)
@@ -57,8 +56,6 @@ def family(variant: tuple) -> str:
     kind = variant[0]
     if kind == "dequant_mm":
         return DequantMmConfig.LABEL
-    if kind == "grouped-gluon-gather":
-        return variant[1].label + ", rows gathered in the kernel"
     return variant[1].label + (" split-K" if kind in ("gluon", "triton") and variant[2] else "")
 
 
@@ -89,12 +86,6 @@ def compile_variant(variant: tuple, capability: tuple[int, int], *, moe_proj: st
             return [cs.compile_gluon(cfg, mode=1, arch=arch)]
         return [cs.compile_gluon(cfg, mode=1, arch=arch, tail=1),
                 cs.compile_gluon(tail, mode=1, arch=arch, tail=2, bm_main=cfg.bm)]
-    if kind == "grouped-gluon-gather":
-        tail = tail_config(cfg)
-        if tail is None:
-            return [cs.compile_gluon_gather(cfg, arch=arch)]
-        return [cs.compile_gluon_gather(cfg, arch=arch, tail=1),
-                cs.compile_gluon_gather(tail, arch=arch, tail=2, bm_main=cfg.bm)]
     compact = variant[2]
     flags = dict(HAS_GATHER=int(moe_proj == "up"), HAS_SCATTER=int(moe_proj == "down"), COMPACT=int(compact),
                  E_P2=1 << (max(num_experts, 1) - 1).bit_length() if compact else 1)

@@ -338,21 +338,6 @@ GLUON_BM256_EXPERT_ROWS = 192
 #: (128-row tails: 1637 / 3031-3033; results/moe_h200.md, "Short last tiles").
 GLUON_TAIL_BM = 64
 
-#: Gather the up projection's routed rows inside the grouped Gluon kernel (``gluon_w4.w4_gather_kernel``: a
-#: producer warp per ring copies each tile's token rows by cp.async; two consumer warpgroups per program) instead
-#: of copying them into expert order first (``moe_glue.spread_rows``: ~5.5% of a Qwen3 layer at 8192-16384
-#: tokens). Off until measured on the H200: the same bytes out is checked by the GPU tests, the time by
-#: ``bench_moe --sustained`` (NOTES.md, "Gathering the routed rows by a producer warp").
-#: ``NVFP4_PLUGIN_GLUON_GATHER`` overrides it (:func:`gluon_gather`).
-GLUON_GATHER = False
-
-
-def gluon_gather() -> bool:
-    """Whether grouped Gluon launches with gathered rows use the gathering kernel: ``NVFP4_PLUGIN_GLUON_GATHER``
-    where set, else :data:`GLUON_GATHER`."""
-    on = envs.gluon_gather()
-    return GLUON_GATHER if on is None else on
-
 
 def grouped_tail_bm(rows: int) -> int:
     """Tail tile height for 256-row grouped tiles at ``rows`` (mean) rows per expert; 0 with the tails off.
