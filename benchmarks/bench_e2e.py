@@ -56,7 +56,9 @@ engine's once its own sweeps have ended (beside the other engine's), each on its
 turn (each phase of one while the other waits: :class:`ServeTurns`), so neither is measured beside the other's
 start-up. With ``--site ENGINE=DIR`` for each engine, one run takes both: each engine's processes
 get their own bundle first on ``PYTHONPATH`` and never the other's, and SGLang's JIT prebuild runs in SGLang's
-environment while vLLM's configurations run (SGLang's wait for it).
+environment while vLLM's configurations run (SGLang's wait for it). Before the engines of a ``--gpus`` run start,
+each GPU runs the same power-capped bf16 GEMM loop at once (``gpu-check``; ``--no-gpu-check`` skips it): GPUs
+of one host at their power caps need not be equal, and the report puts their TFLOP/s beside the placement.
 
 Results: one JSON per configuration in DIR, ``e2e.md`` (tables, ratios, the floors of the
 end-to-end issue) and ``e2e.png`` (tokens/s against batch size).
@@ -1192,6 +1194,8 @@ def run(a) -> int:
                     left[engine, model] -= 1
                     ended.notify_all()
 
+    if len(slots) > 1 and a.gpu_check:
+        gpu_check(out, [g for slot in slots for g in slot], env)
     # rounds after the first: the same configurations again, each in a fresh engine process, after all of the
     # previous round (host-bound decode varies by up to ±30% between processes); the servers in the last round,
     # each engine's after its sweeps (its serve jobs wait for them), beside the other engine's sweeps
@@ -1235,6 +1239,92 @@ def gpu_slots(gpus: list[str] | None, tp: int, visible: str | None = None) -> li
                              f"(CUDA_VISIBLE_DEVICES={visible}); --gpus numbers them from 0")
         gpus = [given[int(g)] for g in gpus]
     return [gpus[i:i + tp] for i in range(0, len(gpus), tp)]
+
+
+#: the GPU check of a side-by-side run: one bf16 GEMM of this size in a loop on every GPU at once, before the
+#: engines start (seconds of warm-up, seconds measured): at their power caps GPUs of one host need not be equal,
+#: and each configuration runs on one of them
+GPU_CHECK_N = 8192
+GPU_CHECK_SECONDS = (5.0, 10.0)
+
+
+def gpu_check_worker(out: Path, warm_s: float, measure_s: float) -> int:
+    """TFLOP/s of :data:`GPU_CHECK_N`-cubed bf16 GEMMs back to back on the first visible GPU, after ``warm_s``
+    seconds of the same (the GPU at its power cap), with its clock and power over the measured seconds."""
+    import torch
+
+    from benchmarks.common import GpuClockSampler
+
+    n = GPU_CHECK_N
+    res = {"gpu": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
+    try:
+        a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+        def loop(seconds: float) -> float:
+            calls = 0
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                for _ in range(10):
+                    torch.mm(a, b)
+                torch.cuda.synchronize()
+                calls += 10
+            return calls * 2 * n ** 3 / (time.perf_counter() - t0) / 1e12
+
+        loop(warm_s)
+        with GpuClockSampler() as clocks:
+            res["tflops"] = round(loop(measure_s), 1)
+        res.update(name=torch.cuda.get_device_name(), uuid=str(torch.cuda.get_device_properties(0).uuid),
+                   clocks=clocks.summary)
+    except Exception as exc:  # noqa: BLE001 - the run goes on; the report names what failed
+        res["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    out.write_text(json.dumps(res, indent=1))
+    return 0 if "tflops" in res else 1
+
+
+def gpu_check(out: Path, gpus: list[str], env: dict, timeout: float = 180) -> None:
+    """:func:`gpu_check_worker` on each of ``gpus`` at once, one process each (``gpu-check-<GPU>.json``)."""
+    warm, measure = GPU_CHECK_SECONDS
+    print(f"=== GPU check on GPU {' '.join(gpus)}: {GPU_CHECK_N}^3 bf16 GEMMs, {warm:.0f} s + {measure:.0f} s",
+          flush=True)
+
+    def one(gpu: str) -> None:
+        path = out / f"gpu-check-{gpu}.json"
+        cmd = [sys.executable, "-m", "benchmarks.bench_e2e", "gpu-check", "--out", str(path)]
+        try:
+            subprocess.run(cmd, cwd=ROOT, env={**env, "CUDA_VISIBLE_DEVICES": gpu}, timeout=timeout,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            path.write_text(json.dumps({"gpu": gpu, "error": f"timed out after {timeout:.0f} s"}))
+
+    threads = [threading.Thread(target=one, args=(g,)) for g in gpus]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
+def gpu_check_table(out: Path) -> list[str]:
+    """The GPU check's results (:func:`gpu_check`) as a table, with the fastest over the slowest GPU."""
+    got = sorted((read_json(p) for p in out.glob("gpu-check-*.json")), key=lambda r: str(r.get("gpu")))
+    if not got:
+        return []
+    warm, measure = GPU_CHECK_SECONDS
+    md = ["## GPU check", "", f"Before the engines, the same loop of {GPU_CHECK_N}^3 bf16 GEMMs (torch.mm) on every "
+          f"GPU of the run at once, {measure:.0f} s measured after {warm:.0f} s: each configuration above ran on "
+          "one of these GPUs (its line \"side by side\").", "",
+          "| GPU | TFLOP/s | SM MHz median | power W median | samples at the power cap |", "|---|---:|---:|---:|---:|"]
+    for r in got:
+        if "tflops" not in r:
+            md.append(f"| {r.get('gpu')} | failed: {r.get('error', 'no result')} | | | |")
+            continue
+        c = r.get("clocks") or {}
+        md.append(f"| {r['gpu']} | {r['tflops']} | {c.get('sm_mhz_median', '-')} | {c.get('power_w_median', '-')} | "
+                  + (f"{c['power_capped_share']:.0%} |" if "power_capped_share" in c else "- |"))
+    tf = [r["tflops"] for r in got if "tflops" in r]
+    if len(tf) > 1:
+        md += ["", f"Fastest over slowest GPU: {max(tf) / min(tf):.3f}x."]
+    return md + [""]
 
 
 def slot_env(env: dict, slot: list[str] | None) -> dict:
@@ -1652,6 +1742,7 @@ def report(out: Path) -> str:
                           f"{s['ttft_ms_p99']} | {s['itl_ms_p50']} / {s['itl_ms_p99']} | {s.get('request_ms_p50', '-')} |")
             firsts += served_first_line(r)
         md += [""] + [f"- {line}" for line in firsts] + ([""] if firsts else [])
+    md += gpu_check_table(out)
     text = "\n".join(md)
     (out / "e2e.md").write_text(text)
     plot(runs, out / "e2e.png")
@@ -1749,6 +1840,9 @@ def parser() -> argparse.ArgumentParser:
                    help="an engine's bundle (its unpacked site-packages folder): that engine's processes get DIR "
                         "first on PYTHONPATH (DIR/bin first on PATH) and no other engine's --site, so one run "
                         "takes both engines (e.g. --site vllm=/tmp/site --site sglang=/tmp/site_sg)")
+    r.add_argument("--no-gpu-check", dest="gpu_check", action="store_false",
+                   help="with --gpus, skip the GPU check (the same bf16 GEMM loop on every GPU at once, ~20 s, "
+                        "before the engines start; reported as a table)")
     r.add_argument("--rounds", type=_positive_int, default=1,
                    help="run every configuration this many times, each in a fresh engine process, round after "
                         "round (each round's order rotated by one place); the report takes the median of the "
@@ -1774,6 +1868,10 @@ def parser() -> argparse.ArgumentParser:
                         "Marlin, the first request's position clamp) into the cache the engine processes use; `run` "
                         "does it too")
     pb.add_argument("--no-marlin", action="store_true", help="only the modules every configuration needs")
+    g = sub.add_parser("gpu-check", help="(internal, from run --gpus) the GEMM loop on the first visible GPU")
+    g.add_argument("--out", required=True)
+    g.add_argument("--warm", type=float, default=GPU_CHECK_SECONDS[0])
+    g.add_argument("--seconds", type=float, default=GPU_CHECK_SECONDS[1])
     p = sub.add_parser("report", help="tables and plot from a results folder")
     p.add_argument("out")
     return ap
@@ -1789,6 +1887,8 @@ def main(argv=None) -> int:
     if a.cmd == "report":
         report(Path(a.out))
         return 0
+    if a.cmd == "gpu-check":
+        return gpu_check_worker(Path(a.out), a.warm, a.seconds)
     if a.cmd == "prebuild-sglang-jit":
         return 0 if all("ready" in line for line in prebuild_sglang_jit(marlin=not a.no_marlin)) else 1
     return run(a)

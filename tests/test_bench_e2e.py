@@ -13,6 +13,16 @@ import pytest
 from benchmarks import bench_e2e as E
 
 
+@pytest.fixture(autouse=True)
+def _no_gpu_check(monkeypatch):
+    """``run --gpus`` starts the GPU check's processes first; here they are recorded, not started (the test of
+    the check itself takes the real function back)."""
+    calls = []
+    real = E.gpu_check
+    monkeypatch.setattr(E, "gpu_check", lambda out, gpus, env, **kw: calls.append(list(gpus)))
+    return types.SimpleNamespace(calls=calls, real=real)
+
+
 def _result(config, decode, prefill=None, model="dense", engine="vllm", **kw):
     r = {"engine": engine, "model": model, "config": config, "startup_s": 80.0, "date": "2026-11-26 00:00:00",
          "gpu": "NVIDIA H200",
@@ -1225,3 +1235,51 @@ def test_side_by_side_servers_of_one_model_measure_in_turn(tmp_path, monkeypatch
     for config in ("ours", "marlin"):
         res = json.loads((tmp_path / f"serve-vllm-dense-{config}.json").read_text())
         assert "error" not in res and res["concurrency"]["2"]["requests"] == 2
+
+
+def test_gpu_check_runs_once_on_every_gpu_before_the_engines_and_is_reported(tmp_path, monkeypatch, _no_gpu_check):
+    """run --gpus: the GEMM loop on each GPU of the slots, at once, before the first engine process; not with one
+    slot, not with --no-gpu-check. The report's table names each GPU's TFLOP/s and the spread, and a failed GPU."""
+    order = []
+    _offline_run(monkeypatch, {"PATH": "/bin"})
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(E, "gpu_check", lambda out, gpus, env, **kw: order.append(("check", list(gpus))))
+    monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: order.append(("engine", cmd[cmd.index("--config") + 1])))
+    E.main(["run", "--out", str(tmp_path / "a"), "--models", "moe", "--configs", "ours", "bf16", "--gpus", "0", "1"])
+    assert order[0] == ("check", ["0", "1"]) and sorted(order[1:]) == [("engine", "bf16"), ("engine", "ours")]
+    for argv in (["--gpus", "0", "1", "--no-gpu-check"], ["--gpus", "0"], []):
+        order.clear()
+        E.main(["run", "--out", str(tmp_path / "b"), "--models", "moe", "--configs", "ours", "--overwrite", *argv])
+        assert [what for what, _ in order] == ["engine"], argv
+    # the check itself: one process per GPU, each on its own GPU, a hung one reported as such
+    cmds = []
+
+    def fake_run(cmd, **kw):
+        gpu = kw["env"]["CUDA_VISIBLE_DEVICES"]
+        cmds.append((cmd[cmd.index("gpu-check"):cmd.index("--out")], gpu))
+        if gpu == "3":
+            raise E.subprocess.TimeoutExpired(cmd, kw["timeout"])
+        out = cmd[cmd.index("--out") + 1]
+        tf = {"0": 668.0, "2": 701.4}[gpu]
+        (tmp_path / "c" / out.rsplit("/", 1)[1]).write_text(json.dumps(
+            {"gpu": gpu, "tflops": tf, "clocks": {"samples": 90, "sm_mhz_median": 1470.0, "power_w_median": 691.5,
+                                                  "power_capped_share": 0.97}}))
+    (tmp_path / "c").mkdir()
+    monkeypatch.setattr(E.subprocess, "run", fake_run)
+    _no_gpu_check.real(tmp_path / "c", ["0", "2", "3"], {"PATH": "/bin"})
+    assert sorted(g for _, g in cmds) == ["0", "2", "3"] and all(c == ["gpu-check"] for c, _ in cmds)
+    table = "\n".join(E.gpu_check_table(tmp_path / "c"))
+    assert "| 0 | 668.0 | 1470.0 | 691.5 | 97% |" in table and "| 2 | 701.4 |" in table
+    assert "| 3 | failed: timed out after 180 s |" in table
+    assert "Fastest over slowest GPU: 1.050x." in table
+    assert E.gpu_check_table(tmp_path / "a") == []          # no check, no section
+
+
+def test_gpu_check_worker_records_why_it_could_not_measure(tmp_path, monkeypatch):
+    """On a machine without a GPU (this one) the worker writes the error and exits 1; the run goes on."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("measures for real on a GPU")
+    rc = E.main(["gpu-check", "--out", str(tmp_path / "g.json"), "--warm", "0", "--seconds", "0.1"])
+    got = json.loads((tmp_path / "g.json").read_text())
+    assert rc == 1 and "tflops" not in got and got["error"]
