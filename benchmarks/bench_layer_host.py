@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Host cost of one NVFP4 linear forward outside CUDA graphs: ours against vLLM's Marlin FP4 layer.
+"""Host cost of one NVFP4 linear forward outside CUDA graphs: ours against vLLM's Marlin and Humming FP4 GEMMs.
 
     python3 -m benchmarks.bench_layer_host --out FILE.md           # GPU machine (vLLM bundle: Marlin too)
     python3 -m benchmarks.bench_layer_host --out FILE.md --m 1 2048 --reps 200
@@ -18,7 +18,9 @@ a few microseconds, so that host path decides the step time. Per layer shape and
   launch through Triton's ``kernel[grid]`` (``NVFP4_PLUGIN_FAST_LAUNCH=0``);
 * for ours also ``op µs`` / ``apply µs``: the host time of the ``nvfp4_layers::linear`` op and of the
   backend's ``apply`` alone with every kernel launch of the GEMM package stubbed out (pure Python and
-  dispatch cost; what ``eager`` minus launches is made of).
+  dispatch cost; what ``eager`` minus launches is made of);
+* for each peer (vLLM's Marlin and Humming NVFP4 GEMMs, where the vLLM bundle is importable, set up as
+  ``bench_gemm`` does): eager, GPU and host µs, the same three timers.
 
 Without a GPU it times the reference backend on the CPU (a smoke run: the table's form, not numbers
 to quote).
@@ -36,7 +38,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import launch_paths_us, time_calls, wall_us_per_call  # noqa: E402
+from benchmarks.common import host_us_per_call, launch_paths_us, time_calls, wall_us_per_call  # noqa: E402
 
 #: (name, N, K): SmolLM2-135M's projections (q/k/v fused, o, gate/up fused, down), two Llama-3-8B ones and
 #: Qwen3-30B-A3B's attention projections (the dense layers of the MoE model)
@@ -64,8 +66,17 @@ def _no_gemm_launches():
         yield
 
 
+#: the engines' own FP4 GEMMs timed beside ours: bench_gemm's peers ``<name>_or_reason`` (a callable, or None
+#: and why not)
+PEER_NAMES = ("marlin", "humming")
+
+
+def _peers():
+    from benchmarks import bench_gemm
+    return [(name, getattr(bench_gemm, f"{name}_or_reason")) for name in PEER_NAMES]
+
+
 def measure(shapes, ms, reps: int) -> list[dict]:
-    from benchmarks.bench_gemm import marlin_or_reason
     from nvfp4_plugin.gemm import prepack
     from nvfp4_plugin.layers import Nvfp4Linear
     from nvfp4_plugin.weights import Nvfp4Weight
@@ -76,7 +87,7 @@ def measure(shapes, ms, reps: int) -> list[dict]:
     for name, n, k in shapes:
         w = Nvfp4Weight.quantize(torch.randn(n, k, device=dev))
         layer = Nvfp4Linear(w)
-        marlin, why = marlin_or_reason(prepack(w)) if cuda else (None, "no GPU")
+        peers = {name: make(prepack(w)) if cuda else (None, "no GPU") for name, make in _peers()}
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             row = {"shape": name, "n": n, "k": k, "m": m, "backend": layer.backend.name,
@@ -88,11 +99,13 @@ def measure(shapes, ms, reps: int) -> list[dict]:
                 with _no_gemm_launches():
                     row["op_us"] = _host_us(lambda: layer(x), reps, False)
                     row["apply_us"] = _host_us(lambda: layer.backend.apply(layer.tensors, layer.meta, x), reps, False)
-                if marlin is not None:
-                    row["marlin_eager_us"] = _host_us(lambda: marlin(x), reps, True)
-                    row["marlin_gpu_us"] = time_calls([lambda: marlin(x)]) * 1e6
-                else:
-                    row["marlin"] = why
+                for peer, (fn, why) in peers.items():
+                    if fn is None:
+                        row[peer] = why
+                        continue
+                    row[f"{peer}_eager_us"] = _host_us(lambda: fn(x), reps, True)
+                    row[f"{peer}_gpu_us"] = time_calls([lambda: fn(x)]) * 1e6
+                    row[f"{peer}_host_us"] = host_us_per_call(lambda i: fn(x), min(reps, 50), True)
             else:
                 row["op_us"] = row["eager_us"]
                 row["apply_us"] = _host_us(lambda: layer.backend.apply(layer.tensors, layer.meta, x), reps, False)
@@ -105,16 +118,23 @@ def table(rows: list[dict]) -> str:
     def f(v):
         return "-" if v is None else f"{v:.1f}"
 
+    peer_cols = [f"{p.capitalize()} eager / GPU / host µs" for p in PEER_NAMES]
     md = ["| shape | N x K | M | backend | eager µs | GPU µs | host µs | host µs, Triton launches | "
-          "op µs (no launches) | apply µs (no launches) | Marlin eager µs | Marlin GPU µs | eager ours / Marlin |",
-          "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+          "op µs (no launches) | apply µs (no launches) | " + " | ".join(peer_cols) + " | eager ours / fastest peer |",
+          "|---|---|---:|---|---:|---:|---:|---:|---:|---:|" + "---:|" * (len(PEER_NAMES) + 1)]
     for r in rows:
-        me = r.get("marlin_eager_us")
-        ratio = f"{r['eager_us'] / me:.2f}x" if me else r.get("marlin", "-")
+        cells, eager = [], {}
+        for p in PEER_NAMES:
+            if f"{p}_eager_us" in r:
+                eager[p] = r[f"{p}_eager_us"]
+                cells.append(f"{f(r[f'{p}_eager_us'])} / {f(r.get(f'{p}_gpu_us'))} / {f(r.get(f'{p}_host_us'))}")
+            else:
+                cells.append(r.get(p, "-"))
+        best = min(eager, key=eager.get) if eager else None
+        ratio = f"{r['eager_us'] / eager[best]:.2f}x ({best})" if best else "-"
         md.append(f"| {r['shape']} | {r['n']} x {r['k']} | {r['m']} | {r['backend']} | {f(r['eager_us'])} | "
                   f"{f(r.get('gpu_us'))} | {f(r.get('host_us'))} | {f(r.get('host_triton_us'))} | "
-                  f"{f(r.get('op_us'))} | {f(r.get('apply_us'))} | {f(me)} | "
-                  f"{f(r.get('marlin_gpu_us'))} | {ratio} |")
+                  f"{f(r.get('op_us'))} | {f(r.get('apply_us'))} | " + " | ".join(cells) + f" | {ratio} |")
     return "\n".join(md)
 
 

@@ -11,3 +11,19 @@ def test_layer_host_benchmark_runs_on_the_cpu(tmp_path):
     assert text.startswith("# Host cost of one linear forward (CPU (smoke run)")
     rows = [ln for ln in text.splitlines() if ln.startswith("| smollm2 o | 576 x 576 |")]
     assert [r.split(" | ")[2] for r in rows] == ["1", "4"] and all("| reference |" in r for r in rows)
+
+
+def test_layer_host_table_puts_each_peer_beside_ours():
+    # GPU rows: each peer's eager / GPU / host µs, a peer that could not be set up named with its reason, and
+    # ours' eager time over the fastest peer's
+    rows = [{"shape": "llama8b qkv", "n": 6144, "k": 4096, "m": 1024, "backend": "hopper_triton", "eager_us": 120.0,
+             "gpu_us": 83.3, "host_us": 95.0, "host_triton_us": 140.0, "op_us": 60.0, "apply_us": 50.0,
+             "marlin_eager_us": 190.0, "marlin_gpu_us": 186.9, "marlin_host_us": 30.0,
+             "humming_eager_us": 100.0, "humming_gpu_us": 86.9, "humming_host_us": 40.0},
+            {"shape": "llama8b qkv", "n": 6144, "k": 4096, "m": 1, "backend": "hopper_triton", "eager_us": 50.0,
+             "marlin": "vLLM not importable (ModuleNotFoundError)", "humming": "no GPU"}]
+    lines = H.table(rows).splitlines()
+    assert "Marlin eager / GPU / host µs | Humming eager / GPU / host µs | eager ours / fastest peer |" in lines[0]
+    assert lines[2].endswith("| 190.0 / 186.9 / 30.0 | 100.0 / 86.9 / 40.0 | 1.20x (humming) |")
+    assert lines[3].endswith("| vLLM not importable (ModuleNotFoundError) | no GPU | - |")
+    assert all(ln.count("|") == lines[0].count("|") for ln in lines)
