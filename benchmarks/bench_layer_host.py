@@ -3,6 +3,7 @@
 
     python3 -m benchmarks.bench_layer_host --out FILE.md           # GPU machine (vLLM bundle: Marlin too)
     python3 -m benchmarks.bench_layer_host --out FILE.md --m 1 2048 --reps 200
+    python3 -m benchmarks.bench_layer_host --out FILE.md --shapes "llama8b qkv" --m 1024 --host-profile 1024
     nvfp4-plugin bench layer-host --out FILE.md
 
 vLLM runs a step inside its CUDA graphs only up to its largest captured batch (512 tokens by default);
@@ -38,7 +39,8 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import host_us_per_call, launch_paths_us, time_calls, wall_us_per_call  # noqa: E402
+from benchmarks.common import (cprofile_calls, host_us_per_call, launch_paths_us, time_calls,  # noqa: E402
+                               wall_us_per_call)
 
 #: (name, N, K): SmolLM2-135M's projections (q/k/v fused, o, gate/up fused, down), two Llama-3-8B ones and
 #: Qwen3-30B-A3B's attention projections (the dense layers of the MoE model)
@@ -114,6 +116,23 @@ def measure(shapes, ms, reps: int) -> list[dict]:
     return rows
 
 
+def host_profiles(shapes, m: int, calls: int = 50, top: int = 20) -> list[str]:
+    """cProfile of ours' forward at ``m`` tokens for each shape (the GPU kept busy by a spin kernel): where the
+    host time of a projection goes, function by function."""
+    from nvfp4_plugin.layers import Nvfp4Linear
+    from nvfp4_plugin.weights import Nvfp4Weight
+
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    md = []
+    for name, n, k in shapes:
+        layer = Nvfp4Linear(Nvfp4Weight.quantize(torch.randn(n, k, device=dev)))
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        md += [f"## Host profile: {name} ({n} x {k}), {m} tokens, {layer.backend.name}", ""]
+        md += cprofile_calls(lambda i: layer(x), calls, cuda, top)
+    return md
+
+
 def table(rows: list[dict]) -> str:
     def f(v):
         return "-" if v is None else f"{v:.1f}"
@@ -144,14 +163,17 @@ def main(argv=None) -> int:
     ap.add_argument("--m", type=int, nargs="+", default=list(DEFAULT_M), help="token counts")
     ap.add_argument("--reps", type=int, default=500, help="back-to-back calls per timing loop")
     ap.add_argument("--shapes", nargs="+", default=None, help="subset of the shape names (e.g. 'smollm2 qkv')")
+    ap.add_argument("--host-profile", type=int, metavar="TOKENS",
+                    help="after the table, a cProfile of ours' forward at TOKENS tokens for each shape")
     a = ap.parse_args(argv)
     shapes = [s for s in SHAPES if a.shapes is None or s[0] in a.shapes]
     with torch.no_grad():
         rows = measure(shapes, a.m, a.reps)
+        profiles = host_profiles(shapes, a.host_profile) if a.host_profile else []
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (smoke run)"
     text = (f"# Host cost of one linear forward ({gpu}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__})\n\n"
             f"`python3 benchmarks/bench_layer_host.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n"
-            + table(rows) + "\n")
+            + table(rows) + "\n" + ("\n" + "\n".join(profiles) if profiles else ""))
     print(text)
     if a.out:
         Path(a.out).write_text(text)

@@ -60,7 +60,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_gemm as BG  # noqa: E402
-from benchmarks.common import (HOST_SPIN_CYCLES, launch_paths_us, time_calls, time_sustained,  # noqa: E402
+from benchmarks.common import (cprofile_calls, launch_paths_us, time_calls, time_sustained,  # noqa: E402
                                wall_us_per_call, warm_up)
 from nvfp4_plugin.gemm import moe_routing, w4_fused_moe, w4_grouped  # noqa: E402
 from nvfp4_plugin.gemm.select import GluonConfig, select_config  # noqa: E402
@@ -379,36 +379,15 @@ def host_profile(model: dict, tokens: int, device, calls: int = 30, top: int = 2
     """Where the host's time per eager layer call goes: host µs per call with direct kernel launches and
     through Triton's launch path, then cProfile over ``calls`` calls (the GPU kept busy by a spin kernel
     queued first, so no call waits for it), the ``top`` functions by own time and by cumulative time."""
-    import cProfile
-    import io
-    import pstats
-
     cuda = device == "cuda"
     p13, p2 = _weights(model, device)
     x = (torch.randn(tokens, model["H"], device=device) * 0.5).to(torch.bfloat16)
     routs = _routings(tokens, model["E"], model["top_k"], 1, device)
     fn = _rotating(w4_fused_moe, x, p13, p2, routs)
     direct, triton_path = launch_paths_us(fn, calls, cuda, rounds=5 if cuda else 1)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda._sleep(HOST_SPIN_CYCLES)
-    prof = cProfile.Profile()
-    prof.enable()
-    for i in range(calls):
-        fn(i)
-    prof.disable()
-    if cuda:
-        torch.cuda.synchronize()
     md = [f"Host time per eager layer call at {tokens} tokens: {direct:.1f} µs with direct kernel launches, "
           f"{triton_path:.1f} µs through Triton's launch path (medians of five alternations, {calls} calls each).", ""]
-    for key, title in (("tottime", "own time"), ("cumulative", "cumulative time")):
-        buf = io.StringIO()
-        stats = pstats.Stats(prof, stream=buf)
-        stats.sort_stats(key).print_stats(top)
-        text = buf.getvalue().replace(str(Path(__file__).resolve().parents[1]) + "/", "")
-        md += [f"cProfile, {calls} calls, top {top} by {title} (cProfile slows Python about twofold):", "",
-               "```", text.strip(), "```", ""]
-    return "\n".join(md)
+    return "\n".join(md + cprofile_calls(fn, calls, cuda, top))
 
 
 #: (rows per program, columns per pass, warps) of the row gather, and (rows, columns, warps) of the SiLU-mul

@@ -174,6 +174,35 @@ def launch_paths_us(fn, calls: int, cuda: bool, rounds: int = 5) -> tuple[float,
     return statistics.median(direct), statistics.median(triton_path)
 
 
+def cprofile_calls(fn, calls: int, cuda: bool, top: int = 25) -> list[str]:
+    """Markdown: cProfile over ``fn(0) .. fn(calls - 1)`` (on a GPU a spin kernel queued first keeps it busy, so no
+    call waits for it), the ``top`` functions by own time and by cumulative time, paths relative to the repo."""
+    import cProfile
+    import io
+    import pstats
+    from pathlib import Path
+
+    fn(0)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(HOST_SPIN_CYCLES)
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(calls):
+        fn(i)
+    prof.disable()
+    if cuda:
+        torch.cuda.synchronize()
+    md = []
+    for key, title in (("tottime", "own time"), ("cumulative", "cumulative time")):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
+        text = buf.getvalue().replace(str(Path(__file__).resolve().parents[1]) + "/", "")
+        md += [f"cProfile, {calls} calls, top {top} by {title} (cProfile slows Python about twofold):", "",
+               "```", text.strip(), "```", ""]
+    return md
+
+
 def time_sustained(fn, *, warm_s: float = 1.5, meas_s: float = 1.5, per_graph: int = 5) -> tuple[float, float]:
     """``(sustained, burst)`` µs per call of ``fn()``: a CUDA graph of ``per_graph`` calls replayed for ``warm_s``
     seconds (the GPU reaches its steady clock: under heavy tensor-core load an H200 sits at its power cap,

@@ -27,3 +27,12 @@ def test_layer_host_table_puts_each_peer_beside_ours():
     assert lines[2].endswith("| 190.0 / 186.9 / 30.0 | 100.0 / 86.9 / 40.0 | 1.20x (humming) |")
     assert lines[3].endswith("| vLLM not importable (ModuleNotFoundError) | no GPU | - |")
     assert all(ln.count("|") == lines[0].count("|") for ln in lines)
+
+
+def test_layer_host_profile_names_our_functions(tmp_path):
+    # --host-profile: after the table, cProfile tables of ours' forward that name the plugin's own functions
+    out = tmp_path / "host.md"
+    assert H.main(["--out", str(out), "--m", "2", "--reps", "2", "--shapes", "smollm2 o", "--host-profile", "3"]) == 0
+    text = out.read_text()
+    assert "## Host profile: smollm2 o (576 x 576), 3 tokens, reference" in text
+    assert "by own time" in text and "by cumulative time" in text and "nvfp4_plugin/" in text
