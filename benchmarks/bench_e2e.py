@@ -1283,7 +1283,10 @@ def gpu_check_worker(out: Path, warm_s: float, measure_s: float) -> int:
 
 
 def gpu_check(out: Path, gpus: list[str], env: dict, timeout: float = 180) -> None:
-    """:func:`gpu_check_worker` on each of ``gpus`` at once, one process each (``gpu-check-<GPU>.json``)."""
+    """:func:`gpu_check_worker` on each of ``gpus`` at once, one process each (``gpu-check-<GPU>.json``; an earlier
+    check's files in ``out`` go first: the report names this run's GPUs only)."""
+    for stale in out.glob("gpu-check-*.json"):
+        stale.unlink()
     warm, measure = GPU_CHECK_SECONDS
     print(f"=== GPU check on GPU {' '.join(gpus)}: {GPU_CHECK_N}^3 bf16 GEMMs, {warm:.0f} s + {measure:.0f} s",
           flush=True)

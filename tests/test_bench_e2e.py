@@ -1265,12 +1265,13 @@ def test_gpu_check_runs_once_on_every_gpu_before_the_engines_and_is_reported(tmp
             {"gpu": gpu, "tflops": tf, "clocks": {"samples": 90, "sm_mhz_median": 1470.0, "power_w_median": 691.5,
                                                   "power_capped_share": 0.97}}))
     (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "gpu-check-7.json").write_text(json.dumps({"gpu": "7", "tflops": 1.0}))   # an earlier run's
     monkeypatch.setattr(E.subprocess, "run", fake_run)
     _no_gpu_check.real(tmp_path / "c", ["0", "2", "3"], {"PATH": "/bin"})
     assert sorted(g for _, g in cmds) == ["0", "2", "3"] and all(c == ["gpu-check"] for c, _ in cmds)
     table = "\n".join(E.gpu_check_table(tmp_path / "c"))
     assert "| 0 | 668.0 | 1470.0 | 691.5 | 97% |" in table and "| 2 | 701.4 |" in table
-    assert "| 3 | failed: timed out after 180 s |" in table
+    assert "| 3 | failed: timed out after 180 s |" in table and "| 7 |" not in table
     assert "Fastest over slowest GPU: 1.050x." in table
     assert E.gpu_check_table(tmp_path / "a") == []          # no check, no section
 
