@@ -21,7 +21,9 @@ a few microseconds, so that host path decides the step time. Per layer shape and
   backend's ``apply`` alone with every kernel launch of the GEMM package stubbed out (pure Python and
   dispatch cost; what ``eager`` minus launches is made of);
 * for each peer (vLLM's Marlin and Humming NVFP4 GEMMs, where the vLLM bundle is importable, set up as
-  ``bench_gemm`` does): eager, GPU and host µs, the same three timers.
+  ``bench_gemm`` does): eager, GPU and host µs, the same three timers;
+* where ours selects dequantize + cuBLAS (two launches), the same three timers for ours with the fused Gluon
+  kernel instead (``select.gluon_heuristic``): whether one launch wins where the step is host-bound.
 
 Without a GPU it times the reference backend on the CPU (a smoke run: the table's form, not numbers
 to quote).
@@ -78,6 +80,26 @@ def _peers():
     return [(name, getattr(bench_gemm, f"{name}_or_reason")) for name in PEER_NAMES]
 
 
+def _timers(prefix: str, fn, reps: int) -> dict:
+    """Eager, CUDA-graph and host µs per call of ``fn()`` (GPU only), keyed ``<prefix>_eager_us`` and so on."""
+    return {f"{prefix}_eager_us": _host_us(fn, reps, True), f"{prefix}_gpu_us": time_calls([fn]) * 1e6,
+            # few enough calls that their launches never fill the GPU's queue behind the spin kernel
+            f"{prefix}_host_us": host_us_per_call(lambda i: fn(), min(reps, 50), True)}
+
+
+def _fused_alternative(packed, m: int, n: int, k: int, device):
+    """Where the selection runs dequantize + cuBLAS (two launches and a weight-sized buffer): the fused Gluon
+    kernel of :func:`~nvfp4_plugin.gemm.select.gluon_heuristic` on the same call, ``(label, fn(x))``; else None.
+    In host-bound eager steps one launch may beat the pair that is faster on the GPU."""
+    from nvfp4_plugin.gemm import select as S
+    from nvfp4_plugin.gemm import w4_linear
+
+    if not S.select_config("dense", m, n, k, device=device).dequant_mm:
+        return None
+    cfg = S.gluon_heuristic(m, n, k, S._num_sms(device.index))
+    return cfg.label, lambda x: w4_linear(x, packed, config=cfg)
+
+
 def measure(shapes, ms, reps: int) -> list[dict]:
     from nvfp4_plugin.gemm import prepack
     from nvfp4_plugin.layers import Nvfp4Linear
@@ -90,6 +112,7 @@ def measure(shapes, ms, reps: int) -> list[dict]:
         w = Nvfp4Weight.quantize(torch.randn(n, k, device=dev))
         layer = Nvfp4Linear(w)
         peers = {name: make(prepack(w)) if cuda else (None, "no GPU") for name, make in _peers()}
+        packed = prepack(w) if cuda else None
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             row = {"shape": name, "n": n, "k": k, "m": m, "backend": layer.backend.name,
@@ -105,9 +128,11 @@ def measure(shapes, ms, reps: int) -> list[dict]:
                     if fn is None:
                         row[peer] = why
                         continue
-                    row[f"{peer}_eager_us"] = _host_us(lambda: fn(x), reps, True)
-                    row[f"{peer}_gpu_us"] = time_calls([lambda: fn(x)]) * 1e6
-                    row[f"{peer}_host_us"] = host_us_per_call(lambda i: fn(x), min(reps, 50), True)
+                    row.update(_timers(peer, lambda: fn(x), reps))
+                alt = _fused_alternative(packed, m, n, k, x.device)
+                if alt is not None:
+                    row["fused"] = alt[0]
+                    row.update(_timers("fused", lambda: alt[1](x), reps))
             else:
                 row["op_us"] = row["eager_us"]
                 row["apply_us"] = _host_us(lambda: layer.backend.apply(layer.tensors, layer.meta, x), reps, False)
@@ -139,8 +164,9 @@ def table(rows: list[dict]) -> str:
 
     peer_cols = [f"{p.capitalize()} eager / GPU / host µs" for p in PEER_NAMES]
     md = ["| shape | N x K | M | backend | eager µs | GPU µs | host µs | host µs, Triton launches | "
-          "op µs (no launches) | apply µs (no launches) | " + " | ".join(peer_cols) + " | eager ours / fastest peer |",
-          "|---|---|---:|---|---:|---:|---:|---:|---:|---:|" + "---:|" * (len(PEER_NAMES) + 1)]
+          "op µs (no launches) | apply µs (no launches) | ours with the fused kernel instead of dequantize + cuBLAS: "
+          "eager / GPU / host µs | " + " | ".join(peer_cols) + " | eager ours / fastest peer |",
+          "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|" + "---:|" * (len(PEER_NAMES) + 1)]
     for r in rows:
         cells, eager = [], {}
         for p in PEER_NAMES:
@@ -151,9 +177,11 @@ def table(rows: list[dict]) -> str:
                 cells.append(r.get(p, "-"))
         best = min(eager, key=eager.get) if eager else None
         ratio = f"{r['eager_us'] / eager[best]:.2f}x ({best})" if best else "-"
+        fused = (f"{f(r['fused_eager_us'])} / {f(r.get('fused_gpu_us'))} / {f(r.get('fused_host_us'))} ({r['fused']})"
+                 if "fused_eager_us" in r else "-")
         md.append(f"| {r['shape']} | {r['n']} x {r['k']} | {r['m']} | {r['backend']} | {f(r['eager_us'])} | "
                   f"{f(r.get('gpu_us'))} | {f(r.get('host_us'))} | {f(r.get('host_triton_us'))} | "
-                  f"{f(r.get('op_us'))} | {f(r.get('apply_us'))} | " + " | ".join(cells) + f" | {ratio} |")
+                  f"{f(r.get('op_us'))} | {f(r.get('apply_us'))} | {fused} | " + " | ".join(cells) + f" | {ratio} |")
     return "\n".join(md)
 
 

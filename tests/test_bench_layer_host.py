@@ -22,8 +22,10 @@ def test_layer_host_table_puts_each_peer_beside_ours():
              "humming_eager_us": 100.0, "humming_gpu_us": 86.9, "humming_host_us": 40.0},
             {"shape": "llama8b qkv", "n": 6144, "k": 4096, "m": 1, "backend": "hopper_triton", "eager_us": 50.0,
              "marlin": "vLLM not importable (ModuleNotFoundError)", "humming": "no GPU"}]
+    rows[0].update(fused="gluon bn128 bm128", fused_eager_us=95.5, fused_gpu_us=92.0, fused_host_us=60.25)
     lines = H.table(rows).splitlines()
     assert "Marlin eager / GPU / host µs | Humming eager / GPU / host µs | eager ours / fastest peer |" in lines[0]
+    assert "| 95.5 / 92.0 / 60.2 (gluon bn128 bm128) |" in lines[2] and "| 50.0 | - | - | - | - | - | - |" in lines[3]
     assert lines[2].endswith("| 190.0 / 186.9 / 30.0 | 100.0 / 86.9 / 40.0 | 1.20x (humming) |")
     assert lines[3].endswith("| vLLM not importable (ModuleNotFoundError) | no GPU | - |")
     assert all(ln.count("|") == lines[0].count("|") for ln in lines)
