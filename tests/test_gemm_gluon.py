@@ -164,15 +164,6 @@ def test_gpu_gluon_grouped_and_masked(cfg, dtype):
                              f"gluon_masked/{dtype}") <= 2
 
 
-def _edge_offsets():
-    """Experts with every row count around the 128/256-row tile edges (none, a few, exactly half a tile, one more,
-    whole tiles and beyond): ``(experts, expert_offsets on the device, rows)``."""
-    counts = [0, 5, 128, 129, 256, 300, 384, 385, 612, 640, 1]
-    offsets = torch.zeros(len(counts) + 1, dtype=torch.int32)
-    offsets[1:] = torch.cumsum(torch.tensor(counts), 0)
-    return len(counts), offsets.to(DEV), int(offsets[-1])
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("tail_bm", [128, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -182,8 +173,12 @@ def test_gpu_gluon_grouped_tail_launch(tail_bm, dtype):
     tiles and beyond), plain and scattered with row scales (the down projection), rows past
     expert_offsets[E] untouched, under a CUDA graph: the same bytes as one launch of the 256-row tiles,
     within 2 ulps of the fp64 reference."""
-    num_e, offsets, rows = _edge_offsets()
-    n, k = 200, 1040
+    counts = [0, 5, 128, 129, 256, 300, 384, 385, 612, 640, 1]
+    num_e, n, k = len(counts), 200, 1040
+    offsets = torch.zeros(num_e + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(torch.tensor(counts), 0)
+    offsets = offsets.to(DEV)
+    rows = int(offsets[-1])
     w = make_weight((num_e,), n, k, seed=81)
     p = prepack(w, dtype)
     x = act((rows + 40, k), dtype, seed=82)       # 40 rows past offsets[E]

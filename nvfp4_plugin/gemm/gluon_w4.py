@@ -61,12 +61,12 @@ def _g_weight_tile(q, sp, BN: gl.constexpr, BK: gl.constexpr, DT: gl.constexpr):
 
 
 @gluon.jit
-def _g_step(kk, it0, num_k, acc, q, sp, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0,
-            a_layout: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, DT: gl.constexpr,
-            PF: gl.constexpr, num_warps: gl.constexpr):
+def _g_step(kk, it0, num_k, acc, q, sp, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, a_layout: gl.constexpr,
+            BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, DT: gl.constexpr, PF: gl.constexpr,
+            num_warps: gl.constexpr):
     """One K step (``kk`` of this tile; ``it0 + kk`` counts the steps of the program, for the x ring's
     buffer and phase): load step kk+PF's words, decode step kk's, issue its wgmma, retire step kk-1's
-    wgmma, then refill the x buffer that step kk-1 read with step kk+STAGES-1 (TMA)."""
+    wgmma, refill the x buffer that step kk-1 read with step kk+STAGES-1."""
     nk = kk + PF
     more = nk < num_k
     q_n = gl.load(q_tile + nk * (BK // 4), mask=more, other=0)
@@ -89,17 +89,16 @@ def _g_step(kk, it0, num_k, acc, q, sp, q_tile, s_tile, x_desc, x_smem, bars, of
 
 
 @gluon.jit
-def _g_tile(it0, num_k, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, mma: gl.constexpr,
-            a_layout: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-            DT: gl.constexpr, PF: gl.constexpr, num_warps: gl.constexpr):
+def _g_tile(it0, num_k, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, mma: gl.constexpr, a_layout: gl.constexpr,
+            BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, DT: gl.constexpr,
+            PF: gl.constexpr, num_warps: gl.constexpr):
     """``acc[BN, BM]`` of one output tile over ``num_k`` K steps (x rows from ``off_m``, K from ``k0``).
     Every buffer of the x ring is free on entry (the previous tile ended with all wgmmas retired)."""
     for i in gl.static_range(STAGES - 1):
         ok = i < num_k
         st = (it0 + i) % STAGES
         mbarrier.expect(bars.index(st), x_desc.block_type.nbytes, pred=ok)
-        tma.async_copy_global_to_shared(x_desc, [off_m, k0 + i * BK], bars.index(st), x_smem.index(st),
-                                        pred=ok)
+        tma.async_copy_global_to_shared(x_desc, [off_m, k0 + i * BK], bars.index(st), x_smem.index(st), pred=ok)
     # Words and scale pairs are loaded PF (2 or 4) K steps ahead into registers: q0/s0 serve steps 0, PF,
     # 2 PF, ..., q1/s1 steps 1, PF + 1, ... (PF sets: deeper prefetch hides more of the load latency).
     q0 = gl.load(q_tile)
@@ -116,30 +115,29 @@ def _g_tile(it0, num_k, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, mma: gl
     # writes the registers of the wgmma still in flight (the one before it); that one is retired by the
     # wait that follows the next wgmma (warpgroup_mma_wait(1)), before its registers are written again.
     for kk in range(0, num_k - (PF - 1), PF):
-        acc, q0, s0 = _g_step(kk, it0, num_k, acc, q0, s0, q_tile, s_tile, x_desc, x_smem, bars, off_m,
-                              k0, a_layout, BN, BK, STAGES, DT, PF, num_warps)
-        acc, q1, s1 = _g_step(kk + 1, it0, num_k, acc, q1, s1, q_tile, s_tile, x_desc, x_smem, bars, off_m,
-                              k0, a_layout, BN, BK, STAGES, DT, PF, num_warps)
+        acc, q0, s0 = _g_step(kk, it0, num_k, acc, q0, s0, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, a_layout,
+                              BN, BK, STAGES, DT, PF, num_warps)
+        acc, q1, s1 = _g_step(kk + 1, it0, num_k, acc, q1, s1, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0,
+                              a_layout, BN, BK, STAGES, DT, PF, num_warps)
         if PF == 4:
-            acc, q2, s2 = _g_step(kk + 2, it0, num_k, acc, q2, s2, q_tile, s_tile, x_desc, x_smem, bars,
-                                  off_m, k0, a_layout, BN, BK, STAGES, DT, PF, num_warps)
-            acc, q3, s3 = _g_step(kk + 3, it0, num_k, acc, q3, s3, q_tile, s_tile, x_desc, x_smem, bars,
-                                  off_m, k0, a_layout, BN, BK, STAGES, DT, PF, num_warps)
+            acc, q2, s2 = _g_step(kk + 2, it0, num_k, acc, q2, s2, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0,
+                                  a_layout, BN, BK, STAGES, DT, PF, num_warps)
+            acc, q3, s3 = _g_step(kk + 3, it0, num_k, acc, q3, s3, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0,
+                                  a_layout, BN, BK, STAGES, DT, PF, num_warps)
     # the last num_k % PF steps, peeled (their words are in q0, q1, q2 in that order)
     rest = num_k % PF
     kr = num_k - rest
     if rest >= 1:
-        acc, q0, s0 = _g_step(kr, it0, num_k, acc, q0, s0, q_tile, s_tile, x_desc, x_smem, bars, off_m,
-                              k0, a_layout, BN, BK, STAGES, DT, PF, num_warps)
+        acc, q0, s0 = _g_step(kr, it0, num_k, acc, q0, s0, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0, a_layout,
+                              BN, BK, STAGES, DT, PF, num_warps)
     if PF == 4:
         if rest >= 2:
-            acc, q1, s1 = _g_step(kr + 1, it0, num_k, acc, q1, s1, q_tile, s_tile, x_desc, x_smem, bars,
-                                  off_m, k0, a_layout, BN, BK, STAGES, DT, PF, num_warps)
+            acc, q1, s1 = _g_step(kr + 1, it0, num_k, acc, q1, s1, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0,
+                                  a_layout, BN, BK, STAGES, DT, PF, num_warps)
         if rest >= 3:
-            acc, q2, s2 = _g_step(kr + 2, it0, num_k, acc, q2, s2, q_tile, s_tile, x_desc, x_smem, bars,
-                                  off_m, k0, a_layout, BN, BK, STAGES, DT, PF, num_warps)
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
-    return acc
+            acc, q2, s2 = _g_step(kr + 2, it0, num_k, acc, q2, s2, q_tile, s_tile, x_desc, x_smem, bars, off_m, k0,
+                                  a_layout, BN, BK, STAGES, DT, PF, num_warps)
+    return warpgroup_mma_wait(0, deps=(acc, ))
 
 
 @gluon.jit
@@ -161,76 +159,6 @@ def _g_store_y(out, y_ptr, bias_ptr, offs_m, offs_n, n_ok, mask, stride_ym, st_l
         res = res + gl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
     ptrs = y_ptr + offs_m[None, :].to(gl.int64) * stride_ym + offs_n[:, None]
     gl.store(ptrs, res.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@gluon.constexpr_function
-def _g_layouts(BM, num_warps):
-    """The kernels' register layouts for ``num_warps`` warps (one warpgroup per 64 weight rows) and ``BM``-row x
-    tiles: the wgmma accumulator, its register A operand (the decoded weights), the weight words' loads, and
-    the stores' (8 consecutive n per thread: 16-byte vectors and few 64-bit addresses, where the wgmma
-    fragment's 2 values per thread per row pair spill at bm=256)."""
-    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BM, 16])
-    return (mma, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
-            gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 8, 4], warps_per_cta=[1, num_warps, 1],
-                             order=[2, 1, 0]),
-            gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4], warps_per_cta=[1, num_warps],
-                             order=[0, 1]))
-
-
-@gluon.jit
-def _g_operands(q_ptr, s_ptr, alpha_ptr, e, pid_n, step0, N, stride_qe, stride_qn, stride_se, stride_sn, stride_ae,
-                BN: gl.constexpr, BK: gl.constexpr, mma: gl.constexpr, wl: gl.constexpr, st_l: gl.constexpr):
-    """Expert ``e``'s weight rows of N tile ``pid_n`` from K step ``step0``: word and scale-pair pointers (layout
-    ``wl``), the epilogue's per-row ``alpha`` (``mma`` rows), output columns and their mask (``st_l``)."""
-    KA: gl.constexpr = BK // 64
-    R: gl.constexpr = BN // 2
-    ka = gl.arange(0, KA, layout=gl.SliceLayout(1, gl.SliceLayout(2, wl)))
-    ri = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, wl)))
-    bb = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
-    wrows = (pid_n * R + ri).to(gl.int64)
-    e64 = gl.to_tensor(e).to(gl.int64)
-    q_tile = (q_ptr + e64 * stride_qe + step0 * (BK // 4) + wrows[None, :, None] * stride_qn
-              + (ka * 16)[:, None, None] + bb[None, None, :])
-    s_tile = (s_ptr + e64 * stride_se + step0 * (BK // 16) + wrows[None, :, None] * stride_sn
-              + (ka * 4)[:, None, None] + (bb % 4)[None, None, :])
-    alpha = gl.load(alpha_ptr + e64 * stride_ae + pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma)))
-    offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, st_l))
-    return q_tile, s_tile, alpha, offs_n, offs_n < N
-
-
-@gluon.jit
-def _g_expert_rows(aux_ptr, e, BM: gl.constexpr, TAIL: gl.constexpr, BM_MAIN: gl.constexpr):
-    """Rows ``[lo, hi)`` of expert ``e`` (grouped: ``aux`` the offsets) that a launch of ``TAIL`` takes
-    (:func:`w4_wgmma_kernel`'s TAIL)."""
-    lo = gl.load(aux_ptr + e)
-    hi = gl.load(aux_ptr + e + 1)
-    if TAIL == 1:
-        rem = (hi - lo) % BM
-        hi = hi - rem * (rem <= BM // 2).to(gl.int32)
-    if TAIL == 2:
-        rem = (hi - lo) % BM_MAIN
-        lo = hi - rem * (rem <= BM_MAIN // 2).to(gl.int32)
-    return lo, hi
-
-
-@gluon.jit
-def _g_store_rows(acc, alpha, e, off_m, hi, y_ptr, actscale_ptr, scatter_ptr, rowscale_ptr, offs_n, n_ok, stride_ym,
-                  mma: gl.constexpr, st_l: gl.constexpr, BM: gl.constexpr, ACT_SCALE: gl.constexpr,
-                  HAS_SCATTER: gl.constexpr, HAS_ROWSCALE: gl.constexpr):
-    """Grouped / masked epilogue of the tile of rows ``off_m + [0, BM)`` (those below ``hi``): ``alpha`` (and the
-    expert's activation scale, the rows' scales), rounded once, stored through ``scatter``."""
-    out = acc * alpha[:, None]
-    if ACT_SCALE == 2:
-        out = out * gl.load(actscale_ptr + e)
-    if HAS_ROWSCALE:
-        dst_a, ok_a = _g_dst(scatter_ptr, off_m, hi, gl.SliceLayout(0, mma), BM, HAS_SCATTER)
-        out = out * gl.load(rowscale_ptr + dst_a, mask=ok_a, other=0.0)[None, :]
-    # rounded first: the x ring stays allocated across tiles, so the layout change's shared
-    # memory comes on top of it (half as much in 16-bit)
-    res = gl.convert_layout(out.to(y_ptr.dtype.element_ty), st_l)
-    dst, row_ok = _g_dst(scatter_ptr, off_m, hi, gl.SliceLayout(0, st_l), BM, HAS_SCATTER)
-    ptrs = y_ptr + dst[None, :].to(gl.int64) * stride_ym + offs_n[:, None]
-    gl.store(ptrs, res, mask=n_ok[:, None] & row_ok[None, :])
 
 
 # Sizes that vary from call to call are not specialized on (value 1, multiple of 16): the kernels a
@@ -258,10 +186,17 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, cn
     more than BM/2 of its rows are the expert's; 2 (tiles of BM < BM_MAIN rows) the rows that TAIL 1 with
     BM_MAIN left out: an expert's last at most BM_MAIN/2 rows. A tile computes all its rows whether the
     expert has them or not, so a short last tile of 256 rows costs as much as a full one."""
-    mma: gl.constexpr = _g_layouts(BM, num_warps)[0]
-    a_layout: gl.constexpr = _g_layouts(BM, num_warps)[1]
-    wl: gl.constexpr = _g_layouts(BM, num_warps)[2]
-    st_l: gl.constexpr = _g_layouts(BM, num_warps)[3]
+    KA: gl.constexpr = BK // 64
+    R: gl.constexpr = BN // 2
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    wl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 8, 4],
+                                        warps_per_cta=[1, num_warps, 1], order=[2, 1, 0])
+    # Stores from a layout with 8 consecutive n per thread (16-byte vectors, few 64-bit addresses)
+    # instead of the wgmma fragment (2 values per thread per row pair: spills at bm=256).
+    st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4], warps_per_cta=[1, num_warps],
+                                          order=[0, 1])
     steps = K_pad // BK
     if MODE == 0:
         pid = gl.program_id(0)
@@ -286,9 +221,18 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, cn
         step0 = 0
         num_k = steps
 
-    q_tile, s_tile, alpha, offs_n, n_ok = _g_operands(q_ptr, s_ptr, alpha_ptr, e, pid_n, step0, N, stride_qe,
-                                                      stride_qn, stride_se, stride_sn, stride_ae, BN, BK, mma, wl,
-                                                      st_l)
+    ka = gl.arange(0, KA, layout=gl.SliceLayout(1, gl.SliceLayout(2, wl)))
+    ri = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, wl)))
+    bb = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
+    wrows = (pid_n * R + ri).to(gl.int64)
+    e64 = gl.to_tensor(e).to(gl.int64)
+    q_tile = (q_ptr + e64 * stride_qe + step0 * (BK // 4) + wrows[None, :, None] * stride_qn
+              + (ka * 16)[:, None, None] + bb[None, None, :])
+    s_tile = (s_ptr + e64 * stride_se + step0 * (BK // 16) + wrows[None, :, None] * stride_sn
+              + (ka * 4)[:, None, None] + (bb % 4)[None, None, :])
+    alpha = gl.load(alpha_ptr + e64 * stride_ae + pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma)))
+    offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, st_l))
+    n_ok = offs_n < N
 
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -297,8 +241,8 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, cn
 
     if MODE == 0:
         off_m = pid_m * BM
-        acc = _g_tile(0, num_k, q_tile, s_tile, x_desc, x_smem, bars, off_m, step0 * BK, mma, a_layout, BN,
-                      BM, BK, STAGES, DT, PF, num_warps)
+        acc = _g_tile(0, num_k, q_tile, s_tile, x_desc, x_smem, bars, off_m, step0 * BK, mma, a_layout, BN, BM, BK,
+                      STAGES, DT, PF, num_warps)
         out = acc * alpha[:, None]
         if ACT_SCALE == 1:
             out = out * gl.load(actscale_ptr)
@@ -329,7 +273,14 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, cn
             _g_store_y(out, y_ptr, bias_ptr, offs_m, offs_n, n_ok, mask, stride_ym, st_l, HAS_BIAS)
     else:
         if MODE == 1:
-            lo, hi = _g_expert_rows(aux_ptr, e, BM, TAIL, BM_MAIN)
+            lo = gl.load(aux_ptr + e)
+            hi = gl.load(aux_ptr + e + 1)
+            if TAIL == 1:
+                rem = (hi - lo) % BM
+                hi = hi - rem * (rem <= BM // 2).to(gl.int32)
+            if TAIL == 2:
+                rem = (hi - lo) % BM_MAIN
+                lo = hi - rem * (rem <= BM_MAIN // 2).to(gl.int32)
         else:
             lo = e * M
             hi = lo + gl.minimum(gl.load(aux_ptr + e), M)
@@ -339,8 +290,18 @@ def w4_wgmma_kernel(x_desc, q_ptr, s_ptr, alpha_ptr, bias_ptr, y_ptr, ws_ptr, cn
             acc = _g_tile(it, num_k, q_tile, s_tile, x_desc, x_smem, bars, off_m, 0, mma, a_layout, BN, BM, BK,
                           STAGES, DT, PF, num_warps)
             it += num_k
-            _g_store_rows(acc, alpha, e, off_m, hi, y_ptr, actscale_ptr, scatter_ptr, rowscale_ptr, offs_n, n_ok,
-                          stride_ym, mma, st_l, BM, ACT_SCALE, HAS_SCATTER, HAS_ROWSCALE)
+            out = acc * alpha[:, None]
+            if ACT_SCALE == 2:
+                out = out * gl.load(actscale_ptr + e)
+            if HAS_ROWSCALE:
+                dst_a, ok_a = _g_dst(scatter_ptr, off_m, hi, gl.SliceLayout(0, mma), BM, HAS_SCATTER)
+                out = out * gl.load(rowscale_ptr + dst_a, mask=ok_a, other=0.0)[None, :]
+            # rounded first: the x ring stays allocated across tiles, so the layout change's shared
+            # memory comes on top of it (half as much in 16-bit)
+            res = gl.convert_layout(out.to(y_ptr.dtype.element_ty), st_l)
+            dst, row_ok = _g_dst(scatter_ptr, off_m, hi, gl.SliceLayout(0, st_l), BM, HAS_SCATTER)
+            ptrs = y_ptr + dst[None, :].to(gl.int64) * stride_ym + offs_n[:, None]
+            gl.store(ptrs, res, mask=n_ok[:, None] & row_ok[None, :])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
@@ -473,4 +434,3 @@ def launch_grouped(mode: int, x2: torch.Tensor, w, y2: torch.Tensor, cfg, aux: t
             HAS_BIAS=0, ACT_SCALE=2 if act_scale is not None else 0, IS_SPLIT=0,
             HAS_SCATTER=int(scatter is not None), HAS_ROWSCALE=int(row_scale is not None), PF=c.prefetch,
             TAIL=tail, BM_MAIN=cfg.bm, FIXUP=0, num_warps=bn // 16)
-
