@@ -1300,11 +1300,10 @@ def gpu_check(out: Path, gpus: list[str], env: dict, timeout: float = 180) -> No
         except subprocess.TimeoutExpired:
             path.write_text(json.dumps({"gpu": gpu, "error": f"timed out after {timeout:.0f} s"}))
 
-    threads = [threading.Thread(target=one, args=(g,)) for g in gpus]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(gpus)) as pool:
+        list(pool.map(one, gpus))
 
 
 def gpu_check_table(out: Path) -> list[str]:

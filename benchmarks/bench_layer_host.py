@@ -111,8 +111,8 @@ def measure(shapes, ms, reps: int) -> list[dict]:
     for name, n, k in shapes:
         w = Nvfp4Weight.quantize(torch.randn(n, k, device=dev))
         layer = Nvfp4Linear(w)
-        peers = {name: make(prepack(w)) if cuda else (None, "no GPU") for name, make in _peers()}
-        packed = prepack(w) if cuda else None
+        packed = prepack(w) if cuda else None     # the peers read it (unpack), never change it
+        peers = {name: make(packed) if cuda else (None, "no GPU") for name, make in _peers()}
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             row = {"shape": name, "n": n, "k": k, "m": m, "backend": layer.backend.name,
