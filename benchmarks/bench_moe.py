@@ -303,23 +303,18 @@ SUSTAINED_CONFIGS = {"bn64 bm128": GluonConfig(bn=64, bm=128, bk=64, num_warps=4
 
 
 @contextlib.contextmanager
-def _selection_with(name: str, value):
-    """Selection with the module constant ``select.<name> = value`` inside; the lookup cache is cleared on the way
-    in and out, so the layer selects again."""
+def gluon_tail(rows: int):
+    """Selection with ``select.GLUON_TAIL_BM = rows`` inside (0: the 256-row grouped tiles in one launch); the
+    lookup cache is cleared on the way in and out, so the layer selects again."""
     from nvfp4_plugin.gemm import select as S
-    old = getattr(S, name)
-    setattr(S, name, value)
+    old = S.GLUON_TAIL_BM
+    S.GLUON_TAIL_BM = rows
     S.clear_cache()
     try:
         yield
     finally:
-        setattr(S, name, old)
+        S.GLUON_TAIL_BM = old
         S.clear_cache()
-
-
-def gluon_tail(rows: int):
-    """Selection with ``select.GLUON_TAIL_BM = rows`` inside (0: the 256-row grouped tiles in one launch)."""
-    return _selection_with("GLUON_TAIL_BM", rows)
 
 
 def sustained(model: dict, tokens: int, with_vllm: bool) -> str:
